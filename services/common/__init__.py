@@ -1,0 +1,1 @@
+"""Pieces every service shares: settings, structured logs, the gRPC server skeleton, errors."""

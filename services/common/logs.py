@@ -1,0 +1,48 @@
+"""One-line structured log records (JSON) on stderr.
+
+`log.info("job assigned", extra={"job_id": 7})` prints
+`{"time": ..., "level": "INFO", "service": "scheduler", "logger": ..., "msg": "job assigned", "job_id": 7}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+_STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out: dict[str, object] = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _STANDARD and not key.startswith("_"):
+                out[key] = value
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup(service: str, level: str = "INFO") -> None:
+    """Routes every logger to one JSON line per record on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # SQLAlchemy and aiosqlite are loud at INFO.
+    for name in ("sqlalchemy", "aiosqlite", "alembic", "asyncio"):
+        logging.getLogger(name).setLevel(logging.WARNING)

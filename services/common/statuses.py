@@ -1,0 +1,90 @@
+"""Task statuses and schedule states, mirroring the proto enums, with their groups.
+
+The groups are named frozensets; a test checks that they cover the enums
+exactly. `TASK_TRANSITIONS` and `SCHEDULE_TRANSITIONS` are the allowed moves;
+the scheduler's store refuses anything else, so a buggy or stale replica cannot
+drag a job backwards.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from managedjobs.v1 import job_pb2
+
+
+class JobStatus(enum.IntEnum):
+    """Status of a task (SPEC §4); a job shows its current task's."""
+
+    PENDING = job_pb2.JOB_STATUS_PENDING
+    STARTING = job_pb2.JOB_STATUS_STARTING
+    RUNNING = job_pb2.JOB_STATUS_RUNNING
+    RECOVERING = job_pb2.JOB_STATUS_RECOVERING
+    CANCELLING = job_pb2.JOB_STATUS_CANCELLING
+    SUCCEEDED = job_pb2.JOB_STATUS_SUCCEEDED
+    CANCELLED = job_pb2.JOB_STATUS_CANCELLED
+    FAILED = job_pb2.JOB_STATUS_FAILED
+    FAILED_SETUP = job_pb2.JOB_STATUS_FAILED_SETUP
+    FAILED_PRECHECKS = job_pb2.JOB_STATUS_FAILED_PRECHECKS
+    FAILED_NO_RESOURCE = job_pb2.JOB_STATUS_FAILED_NO_RESOURCE
+    FAILED_CONTROLLER = job_pb2.JOB_STATUS_FAILED_CONTROLLER
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+class ScheduleState(enum.IntEnum):
+    """Admission state of a job (SPEC §5)."""
+
+    INACTIVE = job_pb2.SCHEDULE_STATE_INACTIVE
+    WAITING = job_pb2.SCHEDULE_STATE_WAITING
+    LAUNCHING = job_pb2.SCHEDULE_STATE_LAUNCHING
+    ALIVE = job_pb2.SCHEDULE_STATE_ALIVE
+    ALIVE_WAITING = job_pb2.SCHEDULE_STATE_ALIVE_WAITING
+    DONE = job_pb2.SCHEDULE_STATE_DONE
+
+
+S = JobStatus
+
+FAILED_GROUP = frozenset(
+    {S.FAILED, S.FAILED_SETUP, S.FAILED_PRECHECKS, S.FAILED_NO_RESOURCE, S.FAILED_CONTROLLER}
+)
+TERMINAL = frozenset({S.SUCCEEDED, S.CANCELLED}) | FAILED_GROUP
+USER_FAILURES = frozenset({S.FAILED, S.FAILED_SETUP})
+# A cluster may exist while the task is in one of these.
+ACTIVE = frozenset({S.STARTING, S.RUNNING, S.RECOVERING, S.CANCELLING})
+NOT_STARTED = frozenset({S.PENDING})
+
+TASK_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    S.PENDING: frozenset({S.STARTING, S.CANCELLING, S.CANCELLED, S.FAILED_CONTROLLER}),
+    S.STARTING: frozenset(
+        {S.RUNNING, S.RECOVERING, S.CANCELLING, S.SUCCEEDED}
+        | frozenset({S.FAILED_PRECHECKS, S.FAILED_NO_RESOURCE, S.FAILED_CONTROLLER})
+    ),
+    S.RUNNING: frozenset({S.RECOVERING, S.CANCELLING, S.SUCCEEDED}) | FAILED_GROUP,
+    S.RECOVERING: frozenset({S.RUNNING, S.CANCELLING})
+    | frozenset({S.FAILED_PRECHECKS, S.FAILED_NO_RESOURCE, S.FAILED_CONTROLLER}),
+    S.CANCELLING: frozenset({S.CANCELLED, S.FAILED_CONTROLLER}),
+    # A terminal status only ever changes to FAILED_CONTROLLER, when cleanup fails.
+    **{status: frozenset({S.FAILED_CONTROLLER}) for status in TERMINAL - {S.FAILED_CONTROLLER}},
+    S.FAILED_CONTROLLER: frozenset(),
+}
+
+St = ScheduleState
+SCHEDULE_TRANSITIONS: dict[ScheduleState, frozenset[ScheduleState]] = {
+    St.INACTIVE: frozenset({St.WAITING, St.DONE}),
+    St.WAITING: frozenset({St.LAUNCHING, St.DONE}),
+    # A launch finished (ALIVE) or backed off (ALIVE, asking again later).
+    St.LAUNCHING: frozenset({St.ALIVE, St.ALIVE_WAITING, St.DONE}),
+    St.ALIVE: frozenset({St.ALIVE_WAITING, St.LAUNCHING, St.DONE}),
+    St.ALIVE_WAITING: frozenset({St.LAUNCHING, St.ALIVE, St.DONE}),
+    St.DONE: frozenset(),
+}
+# Jobs counted against the job limit.
+ALIVE_STATES = frozenset({St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING})
+
+
+def task_transition_allowed(old: JobStatus, new: JobStatus) -> bool:
+    """Whether a task may move from `old` to `new` (a repeat of the same status is a no-op)."""
+    return old == new or new in TASK_TRANSITIONS[old]

@@ -1,0 +1,1 @@
+"""A controller replica: many job lifecycles as asyncio tasks in one process."""

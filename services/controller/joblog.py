@@ -1,0 +1,91 @@
+"""Talking to the logs service: lifecycle log lines and log fetches before teardown.
+
+Lifecycle lines are buffered and shipped in batches by one background task, so
+a job's `note` never waits on the network. A fetch is retried a few times; if
+the logs service stays away the teardown goes ahead (the job must not leak a
+cluster because logs could not be saved), and the lifecycle log says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+
+import grpc
+
+from managedjobs.v1 import log_service_pb2 as pb
+from managedjobs.v1 import log_service_pb2_grpc
+from services.backends import ClusterHandle
+from services.common.server import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+BATCH_LINES = 500
+FETCH_ATTEMPTS = 3
+
+
+class LogsClient:
+    def __init__(self, address: str, flush_interval: float = 0.2) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = log_service_pb2_grpc.LogServiceStub(self._channel)
+        self._lines: list[pb.ControllerLogLine] = []
+        self._wake = asyncio.Event()
+        self._flush_interval = flush_interval
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._ship(), name="controller-log-shipper")
+
+    def note(self, job_id: int, message: str) -> None:
+        stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+        self._lines.append(pb.ControllerLogLine(job_id=job_id, line=f"{stamp} {message}\n"))
+        self._wake.set()
+
+    async def _ship(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            await self.flush()
+            await asyncio.sleep(self._flush_interval)
+
+    async def flush(self) -> None:
+        while self._lines:
+            batch, self._lines = self._lines[:BATCH_LINES], self._lines[BATCH_LINES:]
+            try:
+                await self._stub.AppendControllerLogs(
+                    pb.AppendControllerLogsRequest(lines=batch), timeout=10
+                )
+            except grpc.aio.AioRpcError as error:
+                # Keep the lines for the next try; drop the oldest past a bound.
+                self._lines = (batch + self._lines)[-100_000:]
+                log.warning("cannot ship lifecycle logs", extra={"code": error.code().name})
+                return
+
+    async def fetch(self, job_id: int, task_id: int, epoch: int, handle: ClusterHandle) -> bool:
+        request = pb.FetchTaskLogsRequest(
+            job_id=job_id,
+            task_id=task_id,
+            cluster_name=handle.cluster_name,
+            handle_json=handle.to_json(),
+            epoch=epoch,
+        )
+        for attempt in range(1, FETCH_ATTEMPTS + 1):
+            try:
+                await self._stub.FetchTaskLogs(request, timeout=60)
+                return True
+            except grpc.aio.AioRpcError as error:
+                log.warning(
+                    "log fetch failed",
+                    extra={"job_id": job_id, "attempt": attempt, "code": error.code().name},
+                )
+                await asyncio.sleep(0.5 * attempt)
+        return False
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self.flush()
+        await self._channel.close()

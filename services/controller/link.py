@@ -1,0 +1,183 @@
+"""The replica's one stream to the scheduler: its lease (SPEC §9).
+
+`Link.run` keeps the stream up: it connects with exponential backoff, says
+hello first (capacity and the jobs this replica still runs), sends heartbeats,
+and hands every message from the scheduler to the replica. Requests that need
+an answer go through `call`, which waits for the matching ack; requests not yet
+acked when a stream breaks are sent again, in order, on the next one. While the
+stream is down for longer than the lease, `on_lease_lost` fires: the scheduler
+has given this replica's jobs away and the replica must stop acting for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from managedjobs.v1 import scheduler_service_pb2_grpc
+from services.common.server import CHANNEL_OPTIONS
+
+log = logging.getLogger(__name__)
+
+
+class StreamBroken(Exception):
+    """The stream ended; reconnect."""
+
+
+class Rejected(Exception):
+    """The scheduler refused a request (a stale epoch, or a transition it forbids)."""
+
+
+class Link:
+    def __init__(
+        self,
+        address: str,
+        hello: Callable[[], pb.ControllerHello],
+        on_message: Callable[[pb.ConnectControllerResponse], Awaitable[None]],
+        on_lease_lost: Callable[[], Awaitable[None]],
+        metadata: tuple[tuple[str, str], ...] = (),
+        reconnect_max_wait: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.address = address
+        self._hello = hello
+        self._on_message = on_message
+        self._on_lease_lost = on_lease_lost
+        self._metadata = metadata
+        self._reconnect_max_wait = reconnect_max_wait
+        self._clock = clock
+        self._seq = 0
+        self._unacked: dict[
+            int, tuple[pb.ConnectControllerRequest, asyncio.Future[pb.ReportAck]]
+        ] = {}
+        self._outbox: asyncio.Queue[pb.ConnectControllerRequest | None] = asyncio.Queue()
+        self.connected = asyncio.Event()
+        self.lease_ttl = 10.0
+        self.heartbeat_interval = 2.0
+        self.last_renewal = 0.0
+        self._lease_timer: asyncio.Task[None] | None = None
+
+    # --- sending ---------------------------------------------------------------------------
+
+    def _envelope(self, **message: Any) -> pb.ConnectControllerRequest:
+        self._seq += 1
+        return pb.ConnectControllerRequest(seq=self._seq, **message)
+
+    async def call(self, **message: Any) -> pb.ReportAck:
+        """Sends a request and waits for its ack, across reconnects.
+
+        Raises:
+            Rejected: the scheduler answered accepted=false.
+        """
+        request = self._envelope(**message)
+        future: asyncio.Future[pb.ReportAck] = asyncio.get_running_loop().create_future()
+        self._unacked[request.seq] = (request, future)
+        if self.connected.is_set():
+            self._outbox.put_nowait(request)
+        try:
+            ack = await future
+        finally:
+            self._unacked.pop(request.seq, None)
+        if not ack.accepted:
+            raise Rejected(ack.reason)
+        return ack
+
+    def notify(self, **message: Any) -> None:
+        """Sends without waiting for an answer (dropped while disconnected)."""
+        if self.connected.is_set():
+            self._outbox.put_nowait(self._envelope(**message))
+
+    # --- the connection loop ---------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keeps the stream up until cancelled."""
+        async for attempt in AsyncRetrying(
+            wait=wait_exponential_jitter(initial=0.1, max=self._reconnect_max_wait),
+            retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
+            before_sleep=lambda state: log.warning(
+                "scheduler stream down; reconnecting",
+                extra={"address": self.address, "attempt": state.attempt_number},
+            ),
+        ):
+            with attempt:
+                await self._session()
+
+    async def _session(self) -> None:
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+            self._outbox = asyncio.Queue()
+            hello = self._envelope(hello=self._hello())
+            call = stub.ConnectController(self._requests(hello), metadata=self._metadata)
+            heartbeats: asyncio.Task[None] | None = None
+            try:
+                async for response in call:
+                    if response.WhichOneof("message") == "welcome":
+                        self._welcomed(response.welcome)
+                        heartbeats = asyncio.create_task(self._heartbeats())
+                        continue
+                    self._renewed()
+                    if response.WhichOneof("message") == "ack":
+                        self._acked(response.ack)
+                    else:
+                        await self._on_message(response)
+            finally:
+                self.connected.clear()
+                self._outbox.put_nowait(None)
+                if heartbeats is not None:
+                    heartbeats.cancel()
+                self._arm_lease_timer()
+            raise StreamBroken("the scheduler closed the stream")
+
+    async def _requests(
+        self, hello: pb.ConnectControllerRequest
+    ) -> AsyncIterator[pb.ConnectControllerRequest]:
+        yield hello
+        outbox = self._outbox
+        while True:
+            request = await outbox.get()
+            if request is None:
+                return
+            yield request
+
+    def _welcomed(self, welcome: pb.ControllerWelcome) -> None:
+        self.lease_ttl = welcome.lease_ttl_seconds or self.lease_ttl
+        self.heartbeat_interval = welcome.heartbeat_interval_seconds or self.heartbeat_interval
+        self._renewed()
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        self.connected.set()
+        # Everything not acked on the last stream goes again, in order.
+        for seq in sorted(self._unacked):
+            self._outbox.put_nowait(self._unacked[seq][0])
+        log.info("connected to the scheduler", extra={"address": self.address})
+
+    def _renewed(self) -> None:
+        self.last_renewal = self._clock()
+
+    def _acked(self, ack: pb.ReportAck) -> None:
+        entry = self._unacked.get(ack.ack_seq)
+        if entry is not None and not entry[1].done():
+            entry[1].set_result(ack)
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            self.notify(heartbeat=pb.ControllerHeartbeat())
+
+    def _arm_lease_timer(self) -> None:
+        if self._lease_timer is None or self._lease_timer.done():
+            self._lease_timer = asyncio.create_task(self._lease_countdown())
+
+    async def _lease_countdown(self) -> None:
+        await asyncio.sleep(max(0.0, self.last_renewal + self.lease_ttl - self._clock()))
+        if not self.connected.is_set():
+            log.warning("lease lost; stopping every job", extra={"address": self.address})
+            await self._on_lease_lost()

@@ -1,0 +1,144 @@
+"""`mj-controller`: one controller replica (SPEC §2, §9).
+
+Connects to the scheduler (its stream is the replica's lease), runs the jobs it
+is assigned, and serves ControllerService. SIGTERM drains: the replica stops
+taking jobs and hands its jobs back without failing them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+
+from managedjobs.v1 import controller_service_pb2_grpc
+from services.backends import make_backend
+from services.common import logs, settings
+from services.common.server import Server, run_until_signal
+from services.common.settings import Setting
+from services.controller.capacity import DEFAULT_MEMORY_PER_JOB_KB, replica_capacity
+from services.controller.config import LifecycleConfig
+from services.controller.joblog import LogsClient
+from services.controller.replica import Replica
+
+log = logging.getLogger(__name__)
+
+SETTINGS = (
+    settings.HOST,
+    Setting("port", "MJ_CONTROLLER_PORT", 50061, "port to listen on (0 picks a free one)", int),
+    Setting(
+        "controller_id",
+        "MJ_CONTROLLER_ID",
+        "",
+        "this replica's id (default: host name, port and a random suffix)",
+    ),
+    settings.SCHEDULER_ADDRESS,
+    settings.LOGS_ADDRESS,
+    settings.BACKEND,
+    settings.DATA_DIR,
+    Setting("max_launches", "MJ_CONTROLLER_MAX_LAUNCHES", 0, "launch capacity (0: 4 x CPUs)", int),
+    Setting("max_jobs", "MJ_CONTROLLER_MAX_JOBS", 0, "job capacity (0: from memory)", int),
+    Setting(
+        "memory_per_job_kb",
+        "MJ_MEMORY_PER_JOB_KB",
+        DEFAULT_MEMORY_PER_JOB_KB,
+        "controller memory per live job, for the job capacity",
+        int,
+    ),
+    Setting(
+        "poll_interval",
+        "MJ_POLL_INTERVAL",
+        15.0,
+        "seconds between cluster checks when the backend cannot push",
+        float,
+    ),
+    Setting(
+        "grace_seconds",
+        "MJ_GRACE_SECONDS",
+        5.0,
+        "seconds to wait after user code failed before checking the cluster's health",
+        float,
+    ),
+    Setting("backoff_initial", "MJ_BACKOFF_INITIAL", 60.0, "first launch retry delay", float),
+    Setting("backoff_max", "MJ_BACKOFF_MAX", 600.0, "largest launch retry delay", float),
+    Setting(
+        "max_launch_retries",
+        "MJ_MAX_LAUNCH_RETRIES",
+        0,
+        "launch attempts before FAILED_NO_RESOURCE (0: forever)",
+        int,
+    ),
+    Setting(
+        "start_check_interval",
+        "MJ_START_CHECK_INTERVAL",
+        1.0,
+        "seconds between checks that a launched task started",
+        float,
+    ),
+    Setting("start_checks", "MJ_START_CHECKS", 60, "checks before a launch is retried", int),
+    settings.LOG_LEVEL,
+    settings.SHUTDOWN_GRACE,
+)
+
+
+async def serve(args: object) -> None:
+    a = args
+    backend = make_backend(
+        getattr(a, "backend"), root=Path(getattr(a, "data_dir")).resolve() / "clusters"
+    )
+    config = LifecycleConfig(
+        poll_interval=getattr(a, "poll_interval"),
+        grace_seconds=getattr(a, "grace_seconds"),
+        backoff_initial=getattr(a, "backoff_initial"),
+        backoff_max=getattr(a, "backoff_max"),
+        max_launch_retries=getattr(a, "max_launch_retries"),
+        start_checks=getattr(a, "start_checks"),
+        start_check_interval=getattr(a, "start_check_interval"),
+    )
+    server = Server(getattr(a, "host"), getattr(a, "port"))
+    capacity = replica_capacity(
+        getattr(a, "max_launches"), getattr(a, "max_jobs"), getattr(a, "memory_per_job_kb")
+    )
+    replica = Replica(
+        controller_id=getattr(a, "controller_id"),
+        address="",
+        capacity=capacity,
+        backend=backend,
+        logs=LogsClient(getattr(a, "logs_address")),
+        config=config,
+        scheduler_address=getattr(a, "scheduler_address"),
+    )
+    server.add(
+        controller_service_pb2_grpc.add_ControllerServiceServicer_to_server,
+        replica,
+        "managedjobs.v1.ControllerService",
+    )
+    port = await server.start()
+    # The id and address are known only once the port is bound; the link starts after.
+    replica.address = f"{getattr(a, 'host')}:{port}"
+    replica.controller_id = replica.controller_id or (
+        f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
+    )
+    replica.start()
+    log.info(
+        "controller serving",
+        extra={"port": port, "controller_id": replica.controller_id, "pid": os.getpid()},
+    )
+    try:
+        await run_until_signal(server, getattr(a, "shutdown_grace"), drain=replica.drain)
+    finally:
+        await replica.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
+    logs.setup("controller", args.log_level)
+    asyncio.run(serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""JobService: the client API, served by the scheduler (SPEC §11).
+
+Validation happens here, before anything is stored: a rejected request changes
+nothing. Domain errors become status codes through `rpc_errors`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from managedjobs.v1 import job_service_pb2 as pb
+from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2
+from services.common.errors import InvalidArgument, NotFound, rpc_errors
+from services.common.statuses import JobStatus
+from services.scheduler.admission import Admission
+from services.scheduler.events import EventBus
+from services.scheduler.replicas import Replicas
+from services.scheduler.spec import SpecError, parse_job_spec
+from services.scheduler.store import NewJob, Store
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+MAX_PRIORITY = 1000
+MAX_KEY_CHARS = 256
+MAX_USER_CHARS = 128
+DEFAULT_USER = "default"
+
+
+def _page_token(before_id: int) -> str:
+    return base64.urlsafe_b64encode(f"before:{before_id}".encode()).decode()
+
+
+def _parse_page_token(token: str) -> int:
+    if not token:
+        return 0
+    try:
+        text = base64.urlsafe_b64decode(token.encode()).decode()
+        prefix, _, value = text.partition(":")
+        if prefix != "before" or not value.isdigit():
+            raise ValueError(text)
+        return int(value)
+    except (ValueError, binascii.Error, UnicodeDecodeError):
+        raise InvalidArgument("page_token: not a token this server issued") from None
+
+
+def _user(user: str) -> str:
+    if len(user) > MAX_USER_CHARS:
+        raise InvalidArgument(f"user: at most {MAX_USER_CHARS} characters")
+    return user or DEFAULT_USER
+
+
+class JobApi(job_service_pb2_grpc.JobServiceServicer):
+    def __init__(
+        self, store: Store, bus: EventBus, admission: Admission, replicas: Replicas
+    ) -> None:
+        self.store = store
+        self.bus = bus
+        self.admission = admission
+        self.replicas = replicas
+
+    @rpc_errors
+    async def SubmitJob(
+        self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SubmitJobResponse:
+        if not -MAX_PRIORITY <= request.priority <= MAX_PRIORITY:
+            raise InvalidArgument(f"priority: must be within -{MAX_PRIORITY}..{MAX_PRIORITY}")
+        if len(request.idempotency_key) > MAX_KEY_CHARS:
+            raise InvalidArgument(f"idempotency_key: at most {MAX_KEY_CHARS} characters")
+        if len(request.pool) > MAX_USER_CHARS:
+            raise InvalidArgument(f"pool: at most {MAX_USER_CHARS} characters")
+        user = _user(request.user)
+        try:
+            spec = parse_job_spec(
+                request.spec_yaml, name_override=request.name, extra_envs=dict(request.envs)
+            )
+        except SpecError as error:
+            raise InvalidArgument(str(error), field=error.field) from None
+        job_id, _ = await self.store.submit(
+            NewJob(
+                name=spec.name,
+                user=user,
+                priority=request.priority,
+                pool=request.pool,
+                idempotency_key=request.idempotency_key,
+                tasks=spec.tasks,
+            )
+        )
+        self.admission.kick()
+        return pb.SubmitJobResponse(job_id=job_id)
+
+    @rpc_errors
+    async def GetJob(
+        self, request: pb.GetJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetJobResponse:
+        if request.job_id <= 0:
+            raise InvalidArgument("job_id: must be positive")
+        job = await self.store.get_job(request.job_id)
+        if job is None:
+            raise NotFound(f"job {request.job_id} does not exist", job_id=str(request.job_id))
+        return pb.GetJobResponse(job=job)
+
+    @rpc_errors
+    async def ListJobs(
+        self, request: pb.ListJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListJobsResponse:
+        if request.page_size < 0:
+            raise InvalidArgument("page_size: must not be negative")
+        size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        statuses = []
+        for value in request.statuses:
+            try:
+                statuses.append(JobStatus(value))
+            except ValueError:
+                raise InvalidArgument(f"statuses: unknown status {value}") from None
+        jobs = await self.store.list_jobs(
+            statuses,
+            user=request.user,
+            name=request.name,
+            limit=size + 1,
+            before_id=_parse_page_token(request.page_token),
+        )
+        token = _page_token(jobs[size - 1].job_id) if len(jobs) > size else ""
+        return pb.ListJobsResponse(jobs=jobs[:size], next_page_token=token)
+
+    @rpc_errors
+    async def CancelJobs(
+        self, request: pb.CancelJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CancelJobsResponse:
+        ways = sum([bool(request.job_ids), bool(request.name), request.all])
+        if ways != 1:
+            raise InvalidArgument("give exactly one of job_ids, name or all")
+        if request.all and not request.user:
+            raise InvalidArgument("user: required with all")
+        if request.job_ids:
+            wanted = set(request.job_ids)
+            found = await self.store.job_ids(ids=wanted)
+            missing = sorted(wanted - {job_id for job_id, _ in found})
+            if missing:
+                raise NotFound(
+                    f"job_ids: no job {', '.join(map(str, missing))}",
+                    job_ids=",".join(map(str, missing)),
+                )
+            targets = await self.store.job_ids(ids=wanted, user=request.user, active_only=True)
+        else:
+            targets = await self.store.job_ids(
+                name=request.name, user=request.user, active_only=True
+            )
+        cancelled = [job_id for job_id, _ in targets]
+        live = []
+        for job_id in cancelled:
+            if not await self.store.cancel_unstarted(job_id):
+                live.append(job_id)
+        for job_id, controller_id, epoch in await self.store.request_cancel(live):
+            if controller_id is not None:
+                self.replicas.send(
+                    controller_id,
+                    scheduler_service_pb2.ConnectControllerResponse(
+                        cancel=scheduler_service_pb2.JobCancel(job_id=job_id, epoch=epoch)
+                    ),
+                )
+        return pb.CancelJobsResponse(cancelled_job_ids=cancelled)
+
+    @rpc_errors
+    async def WatchJobs(
+        self, request: pb.WatchJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.WatchJobsResponse]:
+        if request.after_event_id < 0:
+            raise InvalidArgument("after_event_id: must not be negative")
+        job_ids = list(request.job_ids)
+        if job_ids:
+            found = {job_id for job_id, _ in await self.store.job_ids(ids=job_ids)}
+            missing = sorted(set(job_ids) - found)
+            if missing:
+                raise NotFound(f"job_ids: no job {', '.join(map(str, missing))}")
+        subscription = self.bus.subscribe(job_ids)
+        try:
+            last = request.after_event_id
+            while True:
+                backlog = await self.store.events_after(last, job_ids)
+                for event in backlog:
+                    yield pb.WatchJobsResponse(event=event)
+                    last = event.event_id
+                if len(backlog) < 1000:
+                    break
+            while True:
+                event = await subscription.next()
+                if event.event_id <= last:
+                    continue
+                last = event.event_id
+                yield pb.WatchJobsResponse(event=event)
+        finally:
+            subscription.close()

@@ -1,0 +1,83 @@
+"""Rows to proto messages, and times both ways."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+
+from google.protobuf import timestamp_pb2
+
+from managedjobs.v1 import job_pb2
+from services.scheduler.models import EventRow, JobRow, TaskRow
+
+
+def utc(value: dt.datetime) -> dt.datetime:
+    """SQLite hands back naive datetimes; every time we store is UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
+
+
+def timestamp(value: dt.datetime | None) -> timestamp_pb2.Timestamp | None:
+    if value is None:
+        return None
+    out = timestamp_pb2.Timestamp()
+    out.FromDatetime(utc(value))
+    return out
+
+
+def from_timestamp(value: timestamp_pb2.Timestamp) -> dt.datetime | None:
+    if not value.seconds and not value.nanos:
+        return None
+    return value.ToDatetime(tzinfo=dt.UTC)
+
+
+def task_message(row: TaskRow, with_spec: bool) -> job_pb2.Task:
+    task = job_pb2.Task(
+        task_id=row.task_id,
+        name=row.name,
+        status=int(row.status),  # type: ignore[arg-type]
+        cluster_name=row.cluster_name,
+        region=row.region,
+        resources=row.resources,
+        start_time=timestamp(row.start_time),
+        end_time=timestamp(row.end_time),
+        recovery_count=row.recovery_count,
+        restart_count=row.restart_count,
+        failure_reason=row.failure_reason,
+    )
+    if with_spec:
+        task.spec.ParseFromString(row.spec)
+    return task
+
+
+def job_message(row: JobRow, tasks: Iterable[TaskRow], with_specs: bool = False) -> job_pb2.Job:
+    return job_pb2.Job(
+        job_id=row.id,
+        name=row.name,
+        user=row.user,
+        priority=row.priority,
+        pool=row.pool,
+        status=int(row.status),  # type: ignore[arg-type]
+        schedule_state=int(row.schedule_state),  # type: ignore[arg-type]
+        tasks=[task_message(t, with_specs) for t in sorted(tasks, key=lambda t: t.task_id)],
+        submit_time=timestamp(row.submit_time),
+        start_time=timestamp(row.start_time),
+        end_time=timestamp(row.end_time),
+        recovery_count=row.recovery_count,
+        failure_reason=row.failure_reason,
+        controller_id=row.controller_id or "",
+        current_task_id=row.current_task,
+        wait_reason=row.wait_reason,
+        cancel_requested=row.cancel_requested,
+    )
+
+
+def event_message(row: EventRow) -> job_pb2.JobEvent:
+    return job_pb2.JobEvent(
+        event_id=row.id,
+        job_id=row.job_id,
+        task_id=row.task_id,
+        status=int(row.status),  # type: ignore[arg-type]
+        schedule_state=int(row.schedule_state),  # type: ignore[arg-type]
+        time=timestamp(row.time),
+        message=row.message,
+    )

@@ -1,0 +1,115 @@
+"""Database engines: a SQLite file by default, PostgreSQL when given a URL.
+
+SQLite runs in WAL mode with a busy timeout, and every write transaction starts
+with BEGIN IMMEDIATE so that two writers never deadlock upgrading a read lock.
+Reads use a second engine with ordinary deferred transactions. PostgreSQL uses
+one engine for both. Migrations (alembic) run at start, on the same driver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+
+
+def default_url(data_dir: str | Path) -> str:
+    path = Path(data_dir).resolve() / "scheduler.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite+aiosqlite:///{path}"
+
+
+def normalize_url(url: str) -> str:
+    """Accepts plain `postgresql://` and `sqlite:///` URLs and picks the async driver."""
+    parsed = make_url(url)
+    driver = {"postgresql": "postgresql+asyncpg", "postgres": "postgresql+asyncpg"}.get(
+        parsed.drivername, parsed.drivername
+    )
+    if parsed.drivername == "sqlite":
+        driver = "sqlite+aiosqlite"
+    return parsed.set(drivername=driver).render_as_string(hide_password=False)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    # Let SQLAlchemy's "begin" hook emit BEGIN itself.
+    dbapi_connection.isolation_level = None
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.execute("PRAGMA synchronous=NORMAL")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+
+
+def _sqlite_engine(url: str, begin: str) -> AsyncEngine:
+    engine = create_async_engine(url, connect_args={"timeout": 10})
+    event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _begin(conn: Connection) -> None:
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+@dataclasses.dataclass
+class Database:
+    """Session factories for reads and writes over one database."""
+
+    url: str
+    write_engine: AsyncEngine
+    read_engine: AsyncEngine
+
+    @classmethod
+    def open(cls, url: str) -> Database:
+        url = normalize_url(url)
+        if url.startswith("sqlite"):
+            return cls(url, _sqlite_engine(url, "BEGIN IMMEDIATE"), _sqlite_engine(url, "BEGIN"))
+        engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+        return cls(url, engine, engine)
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.url.startswith("sqlite")
+
+    @asynccontextmanager
+    async def write(self) -> AsyncIterator[AsyncSession]:
+        """A write transaction: committed on exit, rolled back on error."""
+        async with self._writer() as session, session.begin():
+            yield session
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncSession]:
+        async with self._reader() as session, session.begin():
+            yield session
+
+    def __post_init__(self) -> None:
+        self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
+        self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
+
+    async def migrate(self) -> None:
+        """Brings the schema to the newest alembic revision."""
+        async with self.write_engine.begin() as conn:
+            await conn.run_sync(_upgrade)
+
+    async def close(self) -> None:
+        await self.write_engine.dispose()
+        if self.read_engine is not self.write_engine:
+            await self.read_engine.dispose()
+
+
+def _upgrade(connection: Connection) -> None:
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["connection"] = connection
+    command.upgrade(config, "head")

@@ -1,0 +1,107 @@
+"""The scheduler's tables: jobs, their tasks, and the event log.
+
+The database is the only truth. A job row carries the admission state, the
+replica it is assigned to and the epoch of that assignment (the fencing token
+every report must match). Statuses are stored by name, so the database reads
+well with any SQL client.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from sqlalchemy import (
+    BigInteger,
+    DateTime,
+    Enum,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from services.common.statuses import JobStatus, ScheduleState
+
+# SQLite only autoincrements INTEGER PRIMARY KEY; PostgreSQL wants BIGINT.
+BigId = BigInteger().with_variant(Integer(), "sqlite")
+
+
+def status_column() -> Enum:
+    return Enum(JobStatus, native_enum=False, length=24, validate_strings=True)
+
+
+def schedule_column() -> Enum:
+    return Enum(ScheduleState, native_enum=False, length=16, validate_strings=True)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class JobRow(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("user", "idempotency_key", name="uq_jobs_user_idempotency_key"),
+        Index("ix_jobs_schedule", "schedule_state", "priority", "id"),
+        Index("ix_jobs_controller", "controller_id", "schedule_state"),
+        Index("ix_jobs_user", "user", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(63))
+    user: Mapped[str] = mapped_column(String(128))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    pool: Mapped[str] = mapped_column(String(128), default="")
+    idempotency_key: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    status: Mapped[JobStatus] = mapped_column(status_column())
+    schedule_state: Mapped[ScheduleState] = mapped_column(schedule_column())
+    current_task: Mapped[int] = mapped_column(Integer, default=0)
+    num_tasks: Mapped[int] = mapped_column(Integer)
+    controller_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    recovery_count: Mapped[int] = mapped_column(Integer, default=0)
+    failure_reason: Mapped[str] = mapped_column(Text, default="")
+    wait_reason: Mapped[str] = mapped_column(Text, default="")
+    submit_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    start_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class TaskRow(Base):
+    __tablename__ = "tasks"
+
+    job_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    task_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(63))
+    status: Mapped[JobStatus] = mapped_column(status_column())
+    # The validated TaskSpec message, serialized.
+    spec: Mapped[bytes] = mapped_column()
+    resources: Mapped[str] = mapped_column(Text, default="")
+    cluster_name: Mapped[str] = mapped_column(String(128), default="")
+    region: Mapped[str] = mapped_column(String(64), default="")
+    recovery_count: Mapped[int] = mapped_column(Integer, default=0)
+    restart_count: Mapped[int] = mapped_column(Integer, default=0)
+    failure_reason: Mapped[str] = mapped_column(Text, default="")
+    start_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+    __table_args__ = (Index("ix_events_job", "job_id", "id"),)
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    job_id: Mapped[int] = mapped_column(BigId, ForeignKey("jobs.id", ondelete="CASCADE"))
+    task_id: Mapped[int] = mapped_column(Integer)
+    status: Mapped[JobStatus] = mapped_column(status_column())
+    schedule_state: Mapped[ScheduleState] = mapped_column(schedule_column())
+    time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+    message: Mapped[str] = mapped_column(Text, default="")
+    # The assignment epoch that wrote it (0 for the scheduler's own changes).
+    epoch: Mapped[int] = mapped_column(BigInteger, default=0)
