@@ -1,7 +1,7 @@
 """One-line structured log records (JSON) on stderr.
 
-`log.info("job assigned", extra={"job_id": 7})` prints
-`{"time": ..., "level": "INFO", "service": "scheduler", "logger": ..., "msg": "job assigned", "job_id": 7}`.
+`log.info("job assigned", extra={"job_id": 7})` prints one line:
+`{"time": ..., "level": "INFO", "service": "scheduler", "msg": "job assigned", "job_id": 7}`.
 """
 
 from __future__ import annotations

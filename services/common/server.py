@@ -52,7 +52,9 @@ class Server:
         self._service_names: list[str] = []
         self.port = 0
 
-    def add(self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str) -> None:
+    def add(
+        self, register: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str
+    ) -> None:
         """Registers a servicer; `name` is its full service name for health and reflection."""
         register(servicer, self._server)
         self._service_names.append(name)

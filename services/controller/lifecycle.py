@@ -18,7 +18,6 @@ ended, failed or was cancelled.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import Iterable

@@ -7,6 +7,7 @@ taking jobs and hands its jobs back without failing them.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -85,32 +86,27 @@ SETTINGS = (
 )
 
 
-async def serve(args: object) -> None:
-    a = args
-    backend = make_backend(
-        getattr(a, "backend"), root=Path(getattr(a, "data_dir")).resolve() / "clusters"
-    )
+async def serve(a: argparse.Namespace) -> None:
+    backend = make_backend(a.backend, root=a.clusters_root)
     config = LifecycleConfig(
-        poll_interval=getattr(a, "poll_interval"),
-        grace_seconds=getattr(a, "grace_seconds"),
-        backoff_initial=getattr(a, "backoff_initial"),
-        backoff_max=getattr(a, "backoff_max"),
-        max_launch_retries=getattr(a, "max_launch_retries"),
-        start_checks=getattr(a, "start_checks"),
-        start_check_interval=getattr(a, "start_check_interval"),
+        poll_interval=a.poll_interval,
+        grace_seconds=a.grace_seconds,
+        backoff_initial=a.backoff_initial,
+        backoff_max=a.backoff_max,
+        max_launch_retries=a.max_launch_retries,
+        start_checks=a.start_checks,
+        start_check_interval=a.start_check_interval,
     )
-    server = Server(getattr(a, "host"), getattr(a, "port"))
-    capacity = replica_capacity(
-        getattr(a, "max_launches"), getattr(a, "max_jobs"), getattr(a, "memory_per_job_kb")
-    )
+    server = Server(a.host, a.port)
+    capacity = replica_capacity(a.max_launches, a.max_jobs, a.memory_per_job_kb)
     replica = Replica(
-        controller_id=getattr(a, "controller_id"),
+        controller_id=a.controller_id,
         address="",
         capacity=capacity,
         backend=backend,
-        logs=LogsClient(getattr(a, "logs_address")),
+        logs=LogsClient(a.logs_address),
         config=config,
-        scheduler_address=getattr(a, "scheduler_address"),
+        scheduler_address=a.scheduler_address,
     )
     server.add(
         controller_service_pb2_grpc.add_ControllerServiceServicer_to_server,
@@ -119,7 +115,7 @@ async def serve(args: object) -> None:
     )
     port = await server.start()
     # The id and address are known only once the port is bound; the link starts after.
-    replica.address = f"{getattr(a, 'host')}:{port}"
+    replica.address = f"{a.host}:{port}"
     replica.controller_id = replica.controller_id or (
         f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
     )
@@ -129,13 +125,14 @@ async def serve(args: object) -> None:
         extra={"port": port, "controller_id": replica.controller_id, "pid": os.getpid()},
     )
     try:
-        await run_until_signal(server, getattr(a, "shutdown_grace"), drain=replica.drain)
+        await run_until_signal(server, a.shutdown_grace, drain=replica.drain)
     finally:
         await replica.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
+    args.clusters_root = Path(args.data_dir).resolve() / "clusters"
     logs.setup("controller", args.log_level)
     asyncio.run(serve(args))
 

@@ -10,6 +10,7 @@ cancels the runner itself: it stops at once and reports nothing more.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Any
@@ -255,15 +256,13 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         tasks = [r.task for r in runners if r.task is not None]
         await asyncio.gather(*tasks, return_exceptions=True)
         for runner in runners:
-            try:
+            with contextlib.suppress(Rejected, TimeoutError):
                 await asyncio.wait_for(
                     self.link.call(
                         job_handback=pb.JobHandback(job_id=runner.job_id, epoch=runner.epoch)
                     ),
                     timeout=5,
                 )
-            except (Rejected, TimeoutError):
-                pass
 
     async def close(self) -> None:
         for runner in list(self.runners.values()):

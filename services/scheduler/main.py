@@ -7,11 +7,13 @@ SchedulerService.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 from collections.abc import Sequence
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
+from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common import logs, settings
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
@@ -64,48 +66,74 @@ SETTINGS = (
 )
 
 
-async def serve(args: object) -> None:
-    a = args
-    db = Database.open(getattr(a, "database_url") or default_url(getattr(a, "data_dir")))
-    await db.migrate()
-    bus = EventBus()
-    store = Store(db, bus)
-    limits = Limits(
-        global_launches=getattr(a, "max_launches"),
-        global_jobs=getattr(a, "max_jobs"),
-        replica_launches=getattr(a, "replica_max_launches"),
-        replica_jobs=getattr(a, "replica_max_jobs"),
+class SchedulerApp:
+    """The scheduler's parts wired together: database, store, admission, replicas, server."""
+
+    def __init__(
+        self,
+        database_url: str,
+        limits: Limits,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_ttl: float = 10.0,
+        heartbeat_interval: float = 2.0,
+    ) -> None:
+        self.db = Database.open(database_url)
+        self.bus = EventBus()
+        self.store = Store(self.db, self.bus)
+        self.admission = Admission(self.store, limits, self._send)
+        self.replicas = Replicas(
+            self.store, self.admission, lease_ttl=lease_ttl, heartbeat_interval=heartbeat_interval
+        )
+        self.server = Server(host, port)
+        self.server.add(
+            job_service_pb2_grpc.add_JobServiceServicer_to_server,
+            JobApi(self.store, self.bus, self.admission, self.replicas),
+            "managedjobs.v1.JobService",
+        )
+        self.server.add(
+            scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server,
+            self.replicas,
+            "managedjobs.v1.SchedulerService",
+        )
+
+    def _send(self, controller_id: str, message: pb.ConnectControllerResponse) -> bool:
+        return self.replicas.send(controller_id, message)
+
+    async def start(self) -> int:
+        await self.db.migrate()
+        await self.admission.rebuild()
+        await self.replicas.adopt_unknown()
+        self.admission.start()
+        return await self.server.start()
+
+    async def close(self, grace: float = 0.0) -> None:
+        await self.server.stop(grace)
+        await self.replicas.close()
+        await self.admission.stop()
+        await self.db.close()
+
+
+async def serve(a: argparse.Namespace) -> None:
+    app = SchedulerApp(
+        a.database_url or default_url(a.data_dir),
+        Limits(
+            global_launches=a.max_launches,
+            global_jobs=a.max_jobs,
+            replica_launches=a.replica_max_launches,
+            replica_jobs=a.replica_max_jobs,
+        ),
+        host=a.host,
+        port=a.port,
+        lease_ttl=a.lease_ttl,
+        heartbeat_interval=a.heartbeat_interval,
     )
-    replicas: Replicas
-    admission = Admission(store, limits, lambda cid, msg: replicas.send(cid, msg))
-    replicas = Replicas(
-        store,
-        admission,
-        lease_ttl=getattr(a, "lease_ttl"),
-        heartbeat_interval=getattr(a, "heartbeat_interval"),
-    )
-    await admission.rebuild()
-    await replicas.adopt_unknown()
-    admission.start()
-    server = Server(getattr(a, "host"), getattr(a, "port"))
-    server.add(
-        job_service_pb2_grpc.add_JobServiceServicer_to_server,
-        JobApi(store, bus, admission, replicas),
-        "managedjobs.v1.JobService",
-    )
-    server.add(
-        scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server,
-        replicas,
-        "managedjobs.v1.SchedulerService",
-    )
-    port = await server.start()
-    log.info("scheduler serving", extra={"port": port, "database": db.url.split("@")[-1]})
+    port = await app.start()
+    log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
     try:
-        await run_until_signal(server, getattr(a, "shutdown_grace"))
+        await run_until_signal(app.server, a.shutdown_grace)
     finally:
-        await replicas.close()
-        await admission.stop()
-        await db.close()
+        await app.close()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

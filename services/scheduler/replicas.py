@@ -243,9 +243,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             if session.generation == generation:
                 session.queue.put_nowait(None)
 
-    async def _handle(
-        self, session: Session, request: pb.ConnectControllerRequest
-    ) -> pb.ReportAck:
+    async def _handle(self, session: Session, request: pb.ConnectControllerRequest) -> pb.ReportAck:
         kind = request.WhichOneof("message")
         cid = session.controller_id
         try:

@@ -1,0 +1,6 @@
+"""`python -m services.cli` runs `mj`."""
+
+from services.cli.main import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The client side of the API: the scheduler's JobService and SchedulerService, and LogService.
+
+One channel per service, opened on first use. Every call carries the caller's
+bearer token; unary calls carry the `--timeout` deadline, streams none (a
+follow lasts as long as the job). Any failed call becomes a `ServiceError`
+naming the service and the address it was reached at, so the message for a
+person can say which one is down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+
+import grpc
+
+from managedjobs.v1 import (
+    job_pb2,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    log_service_pb2,
+    log_service_pb2_grpc,
+    scheduler_service_pb2,
+    scheduler_service_pb2_grpc,
+)
+from services.common.server import CHANNEL_OPTIONS
+
+SCHEDULER = "scheduler"
+LOGS = "logs service"
+# Large pages keep a 10,000-job queue to a few round trips; the server clamps larger values.
+PAGE_SIZE = 500
+
+
+class ServiceError(Exception):
+    """A call to `service` at `address` failed with `code`."""
+
+    def __init__(self, service: str, address: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.service = service
+        self.address = address
+        self.code = code
+        self.details = details
+
+
+@contextlib.contextmanager
+def _calling(service: str, address: str) -> Iterator[None]:
+    try:
+        yield
+    except grpc.RpcError as error:
+        code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
+        details = error.details() if isinstance(error, grpc.Call) else str(error)
+        raise ServiceError(service, address, code, details or "") from None
+
+
+class Client:
+    """Typed calls to the services; use as a context manager to close the channels."""
+
+    def __init__(
+        self, scheduler_address: str, logs_address: str, token: str, timeout: float
+    ) -> None:
+        self.scheduler_address = scheduler_address
+        self.logs_address = logs_address
+        self._timeout = timeout
+        self._metadata: tuple[tuple[str, str], ...] = (
+            (("authorization", f"Bearer {token}"),) if token else ()
+        )
+        self._channels: dict[str, grpc.Channel] = {}
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def _channel(self, address: str) -> grpc.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        return self._channels[address]
+
+    def _jobs(self) -> job_service_pb2_grpc.JobServiceStub:
+        return job_service_pb2_grpc.JobServiceStub(self._channel(self.scheduler_address))
+
+    def _scheduler(self) -> scheduler_service_pb2_grpc.SchedulerServiceStub:
+        return scheduler_service_pb2_grpc.SchedulerServiceStub(
+            self._channel(self.scheduler_address)
+        )
+
+    def _logs(self) -> log_service_pb2_grpc.LogServiceStub:
+        return log_service_pb2_grpc.LogServiceStub(self._channel(self.logs_address))
+
+    def submit_job(self, request: job_service_pb2.SubmitJobRequest) -> int:
+        with _calling(SCHEDULER, self.scheduler_address):
+            response = self._jobs().SubmitJob(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        return response.job_id
+
+    def get_job(self, job_id: int) -> job_pb2.Job:
+        with _calling(SCHEDULER, self.scheduler_address):
+            response = self._jobs().GetJob(
+                job_service_pb2.GetJobRequest(job_id=job_id),
+                timeout=self._timeout,
+                metadata=self._metadata,
+            )
+        return response.job
+
+    def list_jobs(
+        self,
+        statuses: Iterable[job_pb2.JobStatus.ValueType],
+        user: str,
+        page_size: int = PAGE_SIZE,
+    ) -> Iterator[job_pb2.Job]:
+        """Every matching job, fetching the next page only when the caller gets to it."""
+        request = job_service_pb2.ListJobsRequest(statuses=statuses, user=user, page_size=page_size)
+        while True:
+            with _calling(SCHEDULER, self.scheduler_address):
+                response = self._jobs().ListJobs(
+                    request, timeout=self._timeout, metadata=self._metadata
+                )
+            yield from response.jobs
+            if not response.next_page_token:
+                return
+            request.page_token = response.next_page_token
+
+    def cancel_jobs(self, request: job_service_pb2.CancelJobsRequest) -> list[int]:
+        with _calling(SCHEDULER, self.scheduler_address):
+            response = self._jobs().CancelJobs(
+                request, timeout=self._timeout, metadata=self._metadata
+            )
+        return list(response.cancelled_job_ids)
+
+    def watch_jobs(self, job_ids: Iterable[int], after_event_id: int) -> Iterator[job_pb2.JobEvent]:
+        """Events after `after_event_id`, until the scheduler ends the stream.
+
+        The scheduler may close a watch with UNAVAILABLE for the client to come
+        back; when the stream had delivered events, this resumes after the last one.
+        """
+        job_ids = list(job_ids)
+        while True:
+            delivered = False
+            call = self._jobs().WatchJobs(
+                job_service_pb2.WatchJobsRequest(job_ids=job_ids, after_event_id=after_event_id),
+                metadata=self._metadata,
+            )
+            try:
+                with _calling(SCHEDULER, self.scheduler_address):
+                    for response in call:
+                        delivered = True
+                        after_event_id = response.event.event_id
+                        yield response.event
+                return
+            except ServiceError as error:
+                if error.code != grpc.StatusCode.UNAVAILABLE or not delivered:
+                    raise
+            finally:
+                call.cancel()
+
+    def read_logs(self, request: log_service_pb2.ReadLogsRequest) -> Iterator[bytes]:
+        """The bytes of a task's (or the controller's) log as the logs service sends them."""
+        call = self._logs().ReadLogs(request, metadata=self._metadata)
+        try:
+            with _calling(LOGS, self.logs_address):
+                for response in call:
+                    yield response.data
+        finally:
+            call.cancel()
+
+    def scheduler_state(self) -> scheduler_service_pb2.GetSchedulerStateResponse:
+        with _calling(SCHEDULER, self.scheduler_address):
+            return self._scheduler().GetSchedulerState(
+                scheduler_service_pb2.GetSchedulerStateRequest(),
+                timeout=self._timeout,
+                metadata=self._metadata,
+            )

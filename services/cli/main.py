@@ -1,0 +1,272 @@
+"""`mj`: submit, list, inspect, cancel and follow managed jobs (SPEC §12).
+
+Connection flags (`--scheduler`, `--logs`, `--user`, `--token`, `--timeout`)
+each have an environment variable (`MJ_SCHEDULER_ADDRESS`, `MJ_LOGS_ADDRESS`,
+`MJ_USER`, `MJ_TOKEN`, `MJ_TIMEOUT`) and go before or after the subcommand.
+
+Exit codes, which scripts can trust:
+
+    0    success; for `mj launch`, the job SUCCEEDED
+    1    the job did not succeed, or a service answered with an error
+    2    usage: a bad command line, or a job file that cannot be read
+    3    a service could not be reached (the message names its address)
+    130  interrupted by Ctrl-C (`mj launch` leaves the job running)
+    141  the reader of the output went away (`mj logs 3 | head`)
+
+Every failure is one line on stderr, `mj: <command>: <reason>`, e.g.
+`mj: launch: INVALID_ARGUMENT: resources.gpus: unknown field`; a user error
+never shows a Python traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import NoReturn
+
+import grpc
+
+from managedjobs.v1 import job_pb2
+from services.cli import commands
+from services.cli.client import Client, ServiceError
+from services.cli.exit_codes import ExitCode, UsageError
+from services.common.settings import LOGS_ADDRESS, SCHEDULER_ADDRESS, Setting
+
+Command = Callable[[Client, argparse.Namespace], int]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
+    return value
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(text)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) == 0:
+        raise argparse.ArgumentTypeError(f"not a positive whole number: {text!r}")
+    return int(text)
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def _status(text: str) -> job_pb2.JobStatus.ValueType:
+    names = [name.removeprefix("JOB_STATUS_") for name in job_pb2.JobStatus.keys()[1:]]
+    name = text.strip().upper().removeprefix("JOB_STATUS_")
+    if name not in names:
+        raise argparse.ArgumentTypeError(f"unknown status {text!r} (one of {', '.join(names)})")
+    return job_pb2.JobStatus.Value("JOB_STATUS_" + name)
+
+
+def _os_user() -> str:
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):
+        return f"uid-{os.getuid()}"
+
+
+SCHEDULER = dataclasses.replace(SCHEDULER_ADDRESS, name="scheduler")
+LOGS = dataclasses.replace(LOGS_ADDRESS, name="logs")
+USER = Setting("user", "MJ_USER", _os_user(), "who submits; whose jobs are shown and cancelled")
+TOKEN = Setting("token", "MJ_TOKEN", "", "bearer token, when the services require one")
+TIMEOUT = Setting("timeout", "MJ_TIMEOUT", 10.0, "seconds to wait for a unary call", _seconds)
+SETTINGS = (SCHEDULER, LOGS, USER, TOKEN, TIMEOUT)
+
+
+def _add_settings(
+    parser: argparse.ArgumentParser,
+    settings: Sequence[Setting],
+    environ: Mapping[str, str] | None,
+) -> None:
+    """Adds the connection flags.
+
+    On the top-level parser (`environ` given) they carry the environment-over-default
+    values. On a subcommand they have no default and no help, so that a flag given
+    after the subcommand overrides the top-level value and its absence keeps it.
+    """
+    for setting in settings:
+        default = argparse.SUPPRESS
+        if environ is not None:
+            default = setting.default
+            if setting.env in environ:
+                try:
+                    default = setting.type(environ[setting.env])
+                except (ValueError, argparse.ArgumentTypeError) as error:
+                    raise UsageError(f"{setting.env}={environ[setting.env]!r}: {error}") from None
+        shown = "" if setting is TOKEN else f"; default {setting.default!r}"
+        parser.add_argument(
+            setting.flag,
+            dest=setting.name,
+            type=setting.type,
+            default=default,
+            metavar=setting.name.upper(),
+            help=argparse.SUPPRESS
+            if environ is None
+            else f"{setting.help} (env {setting.env}{shown})",
+        )
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The `mj` command line; `environ` supplies the connection defaults."""
+    parser = argparse.ArgumentParser(
+        prog="mj",
+        description="Run batch jobs on compute that can vanish.",
+        epilog="Exit codes: 0 ok, 1 job failed or RPC error, 2 usage, 3 service unreachable, "
+        "130 interrupted.",
+    )
+    _add_settings(parser, SETTINGS, environ)
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(
+        name: str, run: Command, summary: str, group: argparse._SubParsersAction | None = None
+    ) -> argparse.ArgumentParser:
+        sub = (group or subcommands).add_parser(
+            name, help=summary, description=summary, epilog="Connection flags: see `mj --help`."
+        )
+        label = name if group is None else f"ops {name}"
+        sub.set_defaults(run=run, label=label, parser=sub)
+        # `mj queue --user U` filters by owner; the caller stays MJ_USER / the top-level flag.
+        _add_settings(sub, [s for s in SETTINGS if not (name == "queue" and s is USER)], None)
+        return sub
+
+    launch = command("launch", commands.launch, "submit a job and follow its logs")
+    launch.add_argument("file", metavar="FILE.yaml", help="SkyPilot task YAML; documents chain")
+    launch.add_argument("--name", help="job name, overriding the spec's")
+    launch.add_argument("--priority", type=int, default=0, help="higher runs first")
+    launch.add_argument(
+        "--env",
+        type=_env_pair,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="environment variable for every task (repeatable)",
+    )
+    launch.add_argument("--detach", action="store_true", help="print the job id and return")
+    launch.add_argument("--idempotency-key", help="a repeat with this key returns the first job")
+
+    queue = command("queue", commands.queue, "list jobs")
+    owners = queue.add_mutually_exclusive_group()
+    owners.add_argument("--all", action="store_true", help="every user's jobs")
+    owners.add_argument("--user", dest="filter_user", metavar="USER", help="this user's jobs")
+    queue.add_argument(
+        "--status",
+        type=_status,
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="STATUS",
+        help="only jobs in these statuses",
+    )
+    queue.add_argument("--limit", type=_positive_int, help="at most this many jobs")
+
+    status = command("status", commands.status, "show a job and its tasks")
+    status.add_argument("job_id", type=_positive_int, metavar="ID")
+
+    cancel = command("cancel", commands.cancel, "cancel jobs by id, by name, or all of yours")
+    cancel.add_argument("job_ids", type=_positive_int, nargs="*", metavar="ID")
+    cancel.add_argument("--name", help="every job of yours with this name")
+    cancel.add_argument("--all", action="store_true", help="every job of yours")
+    cancel.add_argument("--yes", "-y", action="store_true", help="do not ask before --all")
+
+    logs = command("logs", commands.logs, "stream a task's logs")
+    logs.add_argument("job_id", type=_positive_int, metavar="ID")
+    logs.add_argument("--task", type=_count, metavar="N", help="task index (default: current)")
+    logs.add_argument(
+        "--follow",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep streaming until the job ends (default)",
+    )
+    logs.add_argument("--controller", action="store_true", help="the controller's lifecycle log")
+    logs.add_argument("--tail", type=_count, default=0, metavar="N", help="only the last N lines")
+
+    watch = command("watch", commands.watch, "print job events as they happen")
+    watch.add_argument("job_ids", type=_positive_int, nargs="*", metavar="ID", help="default: all")
+    watch.add_argument("--after", type=_count, default=0, metavar="EVENT_ID")
+
+    ops = subcommands.add_parser("ops", help="operator views", description="operator views")
+    command(
+        "state",
+        commands.ops_state,
+        "the scheduler's limits, counters and replicas",
+        ops.add_subparsers(dest="ops_command", metavar="COMMAND", required=True),
+    )
+    return parser
+
+
+def _check(args: argparse.Namespace) -> None:
+    if args.command == "cancel":
+        given = bool(args.job_ids) + bool(args.name) + bool(args.all)
+        if given != 1:
+            args.parser.error("give exactly one of: job ids, --name N, --all")
+
+
+# How gRPC words a transport failure; the words after its last colon say why.
+_CONNECT_FAILED = "failed to connect to all addresses"
+
+
+def _describe(error: ServiceError) -> str:
+    details = " ".join(error.details.split())
+    if error.code == grpc.StatusCode.UNAVAILABLE:
+        where = f"cannot reach the {error.service} at {error.address}"
+        if details.startswith(_CONNECT_FAILED):
+            details = details.rsplit(": ", 1)[-1]  # e.g. "Connection refused"
+        return f"UNAVAILABLE: {where} ({details})" if details else f"UNAVAILABLE: {where}"
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"DEADLINE_EXCEEDED: no answer from the {error.service} at {error.address}"
+    return f"{error.code.name}: {details}" if details else error.code.name
+
+
+def run(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Runs `mj` and returns its exit code instead of exiting."""
+    label = "error"
+    try:
+        try:
+            args = build_parser(os.environ if environ is None else environ).parse_args(argv)
+            _check(args)
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else ExitCode.USAGE
+        label = args.label
+        with Client(args.scheduler, args.logs, args.token, args.timeout) as client:
+            return int(args.run(client, args))
+    except UsageError as error:
+        print(f"mj: {label}: {error}", file=sys.stderr)
+        return ExitCode.USAGE
+    except ServiceError as error:
+        print(f"mj: {label}: {_describe(error)}", file=sys.stderr)
+        unreachable = error.code == grpc.StatusCode.UNAVAILABLE
+        return ExitCode.UNREACHABLE if unreachable else ExitCode.FAILED
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return ExitCode.INTERRUPTED
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not complain.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return ExitCode.BROKEN_PIPE
+
+
+def main(argv: list[str] | None = None) -> NoReturn:
+    """The `mj` console script: runs the command line and exits with its code."""
+    sys.exit(run(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,18 @@
+"""The logs service (`mj-logs`): every task's logs and every job's controller log.
+
+It copies each task's logs off its cluster before the cluster is torn down
+(FetchTaskLogs, called by the controller), tails live clusters for followers,
+keeps the controller's lifecycle lines per job, and serves all of them as streams
+(ReadLogs). Job state comes from the scheduler; this service only owns log files.
+
+Public surface: `LogServicer` (the gRPC handlers), `LogStore` (files under
+`<data_dir>/logs`), `JobDirectory` (the scheduler client) and `RECOVERED_MARKER`
+(the line between the logs of a task's successive clusters). `services.logs.main`
+holds the entry point and its `SETTINGS`.
+"""
+
+from services.logs.directory import JobDirectory
+from services.logs.service import LogServicer
+from services.logs.store import RECOVERED_MARKER, LogStore
+
+__all__ = ["RECOVERED_MARKER", "JobDirectory", "LogServicer", "LogStore"]

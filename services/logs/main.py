@@ -1,0 +1,86 @@
+"""Entry point of `mj-logs`: settings, the backend, the store, and the gRPC server.
+
+Every setting is a flag and an environment variable (`SETTINGS`, which a test
+checks docker-compose.yml against). Logs go to stderr as JSON lines; stdout stays
+empty.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from managedjobs.v1 import log_service_pb2_grpc
+from services.backends import make_backend
+from services.common import logs
+from services.common.server import Server, run_until_signal
+from services.common.settings import (
+    BACKEND,
+    DATA_DIR,
+    HOST,
+    LOG_LEVEL,
+    SCHEDULER_ADDRESS,
+    SHUTDOWN_GRACE,
+    Setting,
+    parse,
+)
+from services.logs.directory import JobDirectory
+from services.logs.service import LogServicer
+from services.logs.store import LogStore
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "managedjobs.v1.LogService"
+
+PORT = Setting("port", "MJ_LOGS_PORT", 50052, "port to listen on", int)
+TAIL_POLL_INTERVAL = Setting(
+    "tail_poll_interval",
+    "MJ_LOGS_TAIL_POLL_INTERVAL",
+    0.2,
+    "seconds between reads of a live local cluster's log files while tailing",
+    float,
+)
+SETTINGS = (
+    PORT,
+    HOST,
+    DATA_DIR,
+    SCHEDULER_ADDRESS,
+    BACKEND,
+    LOG_LEVEL,
+    SHUTDOWN_GRACE,
+    TAIL_POLL_INTERVAL,
+)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Runs the logs service until SIGTERM or SIGINT."""
+    args = parse("mj-logs", "Serves task and controller logs of managed jobs.", SETTINGS, argv)
+    logs.setup("logs", args.log_level)
+    asyncio.run(serve(args))
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Serves with the parsed settings; returns after a drained shutdown."""
+    data_dir = Path(args.data_dir)
+    options: dict[str, object] = {"root": data_dir / "clusters"}
+    if args.backend == "local":
+        options["poll_interval"] = args.tail_poll_interval
+    backend = make_backend(args.backend, **options)
+    directory = JobDirectory(args.scheduler_address)
+    servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend)
+    server = Server(args.host, args.port)
+    server.add(log_service_pb2_grpc.add_LogServiceServicer_to_server, servicer, SERVICE_NAME)
+    try:
+        port = await server.start()
+        log.info("serving", extra={"port": port, "scheduler": args.scheduler_address})
+        await run_until_signal(server, args.shutdown_grace, drain=servicer.drain)
+    finally:
+        await directory.close()
+        await backend.close()
+
+
+if __name__ == "__main__":
+    main()

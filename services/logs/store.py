@@ -1,0 +1,257 @@
+"""Log files on disk: fetched task logs and appended controller logs, per job.
+
+Layout under the store's root (`<data_dir>/logs`):
+
+    <job_id>/task-<task_id>.log            every fetched attempt of the task, in order
+    <job_id>/task-<task_id>.sections.json  where each attempt (cluster) starts and ends
+    <job_id>/controller.log                the job's lifecycle lines, appended
+
+Invariants:
+- A task log is only ever replaced whole (temp file + `os.replace`, the log before
+  its index), so a reader sees an old or a new copy, never a torn one, and an index
+  never points past the end of the log it describes.
+- Attempts are joined with `separator()`, exactly as a live follower joins the
+  clusters it tails, so "byte N of this cluster's log" means the same thing live
+  and in the stored copy: a follower can switch to the stored copy without
+  repeating or skipping bytes.
+- A fetch with a key already stored replaces that attempt's section (a retried
+  fetch is idempotent); a new key appends a section (a recovered task keeps the
+  logs of its earlier clusters).
+- Every write wakes the job's waiters (`changed`), so followers never poll the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import tempfile
+import weakref
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+CHUNK_BYTES = 64 * 1024
+RECOVERED_MARKER = b"[managed-jobs] task recovered on a new cluster\n"
+
+
+def separator(previous: bytes) -> bytes:
+    """What goes between two attempts' logs; `previous` is what came before (its end suffices)."""
+    newline = b"\n" if previous and not previous.endswith(b"\n") else b""
+    return newline + RECOVERED_MARKER
+
+
+def tail_start(data: bytes, lines: int) -> int:
+    """Offset in `data` where its last `lines` lines begin (0 for all, or when `lines` <= 0)."""
+    if lines <= 0:
+        return 0
+    end = len(data) - 1 if data.endswith(b"\n") else len(data)
+    for _ in range(lines):
+        end = data.rfind(b"\n", 0, end)
+        if end < 0:
+            return 0
+    return end + 1
+
+
+def chunks(data: bytes) -> Iterator[bytes]:
+    """`data` in pieces small enough for one message each."""
+    for start in range(0, len(data), CHUNK_BYTES):
+        yield data[start : start + CHUNK_BYTES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Section:
+    """The bytes of one attempt (one cluster) inside a task's stored log."""
+
+    key: str
+    cluster_name: str
+    offset: int
+    size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskLog:
+    """A stored task log: its file and the attempts in it."""
+
+    path: Path
+    sections: tuple[Section, ...]
+
+    @property
+    def size(self) -> int:
+        last = self.sections[-1] if self.sections else None
+        return last.offset + last.size if last else 0
+
+    def last_for(self, cluster_name: str) -> Section | None:
+        """The latest section fetched from `cluster_name`, if any."""
+        for section in reversed(self.sections):
+            if section.cluster_name == cluster_name:
+                return section
+        return None
+
+
+class LogStore:
+    """Task and controller logs of every job, under one folder."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._waiters: weakref.WeakValueDictionary[int, asyncio.Event] = (
+            weakref.WeakValueDictionary()
+        )
+        self._locks: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
+            weakref.WeakValueDictionary()
+        )
+
+    def task_path(self, job_id: int, task_id: int) -> Path:
+        return self.root / str(job_id) / f"task-{task_id}.log"
+
+    def controller_path(self, job_id: int) -> Path:
+        return self.root / str(job_id) / "controller.log"
+
+    def changed(self, job_id: int) -> asyncio.Event:
+        """An event set by the next write of any of the job's logs.
+
+        Take it before reading, then wait on it: a write between the read and the
+        wait still wakes the waiter.
+        """
+        event = self._waiters.get(job_id)
+        if event is None:
+            event = asyncio.Event()
+            self._waiters[job_id] = event
+        return event
+
+    def _notify(self, job_id: int) -> None:
+        event = self._waiters.pop(job_id, None)
+        if event is not None:
+            event.set()
+
+    def append_controller_lines(self, job_id: int, lines: Iterable[str]) -> int:
+        """Appends lines (each ending in a newline) to the job's controller log."""
+        data = "".join(line if line.endswith("\n") else line + "\n" for line in lines).encode()
+        if not data:
+            return 0
+        path = self.controller_path(job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # One small synchronous write keeps concurrent appends in arrival order.
+        with path.open("ab") as file:
+            file.write(data)
+        self._notify(job_id)
+        return len(data)
+
+    def task_log(self, job_id: int, task_id: int) -> TaskLog | None:
+        """The stored log of a task, or None when nothing was fetched yet."""
+        path = self.task_path(job_id, task_id)
+        try:
+            raw = json.loads(_index_path(path).read_text())
+        except FileNotFoundError:
+            if not path.exists():
+                return None
+            # A log without an index: one section of unknown origin.
+            size = path.stat().st_size
+            return TaskLog(path, (Section("", "", 0, size),))
+        sections = tuple(Section(**item) for item in raw["sections"])
+        return TaskLog(path, sections)
+
+    async def save_task_attempt(
+        self, job_id: int, task_id: int, cluster_name: str, key: str, data: bytes
+    ) -> int:
+        """Stores one cluster's logs of a task, replacing an earlier fetch with the same key."""
+        lock = self._locks.get((job_id, task_id))
+        if lock is None:
+            lock = asyncio.Lock()
+            self._locks[(job_id, task_id)] = lock
+        async with lock:
+            current = self.task_log(job_id, task_id)
+            await asyncio.to_thread(
+                _rewrite,
+                current,
+                self.task_path(job_id, task_id),
+                Section(key, cluster_name, 0, len(data)),
+                data,
+            )
+        self._notify(job_id)
+        return len(data)
+
+    def read_range(self, path: Path, start: int, end: int | None = None) -> Iterator[bytes]:
+        """Bytes [start, end) of a file in chunks; stops early at the end of the file."""
+        position = start
+        while end is None or position < end:
+            want = CHUNK_BYTES if end is None else min(CHUNK_BYTES, end - position)
+            try:
+                with path.open("rb") as file:
+                    file.seek(position)
+                    block = file.read(want)
+            except FileNotFoundError:
+                return
+            if not block:
+                return
+            position += len(block)
+            yield block
+
+    def read_bytes(self, path: Path, start: int, end: int) -> bytes:
+        return b"".join(self.read_range(path, start, end))
+
+    def tail_offset(self, path: Path, lines: int) -> int:
+        """Offset where a file's last `lines` lines begin (0 when `lines` <= 0 or no file)."""
+        if lines <= 0:
+            return 0
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        with path.open("rb") as file:
+            # A final newline ends the last line rather than starting another one.
+            file.seek(max(0, size - 1))
+            position = size - 1 if file.read(1) == b"\n" else size
+            remaining = lines
+            while position > 0:
+                block_start = max(0, position - CHUNK_BYTES)
+                file.seek(block_start)
+                block = file.read(position - block_start)
+                found = len(block)
+                while (found := block.rfind(b"\n", 0, found)) >= 0:
+                    remaining -= 1
+                    if remaining == 0:
+                        return block_start + found + 1
+                position = block_start
+        return 0
+
+
+def _index_path(log_path: Path) -> Path:
+    return log_path.with_suffix(".sections.json")
+
+
+def _rewrite(current: TaskLog | None, path: Path, new: Section, data: bytes) -> None:
+    """Writes the task log with `new` replacing its key's section or appended, atomically."""
+    parts: list[tuple[Section, bytes]] = []
+    if current is not None:
+        old = path.read_bytes()
+        parts = [(s, old[s.offset : s.offset + s.size]) for s in current.sections]
+    keys = [section.key for section, _ in parts]
+    if new.key in keys:
+        parts[keys.index(new.key)] = (new, data)
+    else:
+        parts.append((new, data))
+    content = bytearray()
+    sections = []
+    for index, (section, body) in enumerate(parts):
+        if index:
+            content += separator(bytes(content[-1:]))
+        sections.append(dataclasses.replace(section, offset=len(content), size=len(body)))
+        content += body
+    index_json = json.dumps({"sections": [dataclasses.asdict(s) for s in sections]})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _replace(path, bytes(content))
+    _replace(_index_path(path), index_json.encode())
+
+
+def _replace(path: Path, data: bytes) -> None:
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise

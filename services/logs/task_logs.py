@@ -1,0 +1,276 @@
+"""Serving one task's logs: the stored copy, the live cluster, or both in turn.
+
+A task's log is the logs of its attempts (one per cluster it ran on) joined by
+`store.separator`. The stored copy holds the attempts the controller fetched
+before tearing their clusters down; the current attempt lives on its cluster
+until then.
+
+Following a task (`TaskLogFollower`) walks through these phases:
+1. Catch up: the stored attempts before the current cluster's.
+2. Tail the live cluster (`Backend.tail_logs`) while the task is STARTING,
+   RUNNING or CANCELLING, counting the bytes of this attempt already sent
+   (`covered`). A tail that ends or breaks (cluster preempted) waits for the next
+   job event; a new attempt (new cluster name, recovery count or restart count)
+   starts a fresh log behind a separator; the same attempt is tailed again,
+   skipping what was sent.
+3. Finish: once the task is terminal, wait for the stored copy of the last
+   cluster (the controller fetches before teardown) and send it from `covered`
+   on; give up waiting when the job is over or has moved to a later task.
+
+Because the stored copy joins attempts exactly as the follower does, switching
+from live bytes to stored bytes never repeats or drops any. This relies on the
+backend's `tail_logs` yielding the same byte sequence that `read_logs` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from managedjobs.v1 import job_pb2
+from services.backends.base import Backend
+from services.common.statuses import TERMINAL, JobStatus
+from services.logs.directory import task_status
+from services.logs.store import LogStore, TaskLog, chunks, separator, tail_start
+from services.logs.tracker import JobTracker
+
+log = logging.getLogger(__name__)
+
+
+async def read_task_logs(
+    store: LogStore, backend: Backend, job: job_pb2.Job, task_id: int, tail_lines: int
+) -> AsyncIterator[bytes]:
+    """The task's logs as they are now: stored, or stored attempts plus the live cluster."""
+    task = job.tasks[task_id]
+    status = task_status(task)
+    stored = store.task_log(job.job_id, task_id)
+    complete = (
+        stored is not None
+        and status in TERMINAL
+        and (not task.cluster_name or stored.last_for(task.cluster_name) is not None)
+    )
+    if not complete and task.cluster_name and status != JobStatus.PENDING:
+        # Live, or finished but not fetched yet: the cluster may still be there.
+        live = await _read_live(backend, task.cluster_name)
+        if live:
+            data = _stored_before(store, stored, task.cluster_name) + live
+            for chunk in chunks(data[tail_start(data, tail_lines) :]):
+                yield chunk
+            return
+    if stored is not None:
+        start = store.tail_offset(stored.path, tail_lines)
+        for chunk in store.read_range(stored.path, start, stored.size):
+            yield chunk
+
+
+def _stored_before(store: LogStore, stored: TaskLog | None, cluster_name: str) -> bytes:
+    """Stored attempts before `cluster_name`'s, with the separator its log goes after."""
+    if stored is None:
+        return b""
+    section = stored.last_for(cluster_name)
+    if section is not None:
+        return store.read_bytes(stored.path, 0, section.offset)
+    before = store.read_bytes(stored.path, 0, stored.size)
+    return before + separator(before) if stored.sections else before
+
+
+async def _read_live(backend: Backend, cluster_name: str) -> bytes | None:
+    try:
+        return await backend.read_logs(backend.handle_for(cluster_name))
+    except Exception as exc:
+        # A live cluster may vanish at any moment; that is not our error.
+        log.info("cannot read live logs", extra={"cluster": cluster_name, "error": repr(exc)})
+        return None
+
+
+@dataclasses.dataclass
+class _Attempt:
+    """One cluster's run of the task, and how much of its log was sent."""
+
+    cluster_name: str
+    recovery_count: int
+    restart_count: int
+    covered: int = 0
+    # Whether to (re)start tailing; a re-tail skips the `covered` bytes.
+    retail: bool = True
+    # The backend said the task finished here: its log will not grow any more.
+    finished_on_cluster: bool = False
+
+    def same_as(self, task: job_pb2.Task) -> bool:
+        return (self.cluster_name, self.recovery_count, self.restart_count) == (
+            task.cluster_name,
+            task.recovery_count,
+            task.restart_count,
+        )
+
+
+_END = object()
+# Statuses in which the task's current cluster is worth tailing. Not RECOVERING: the
+# cluster is lost, and a relaunch under the same name must not pass for it.
+TAILABLE = frozenset({JobStatus.STARTING, JobStatus.RUNNING, JobStatus.CANCELLING})
+
+
+class TaskLogFollower:
+    """Follows one task's logs until the task is over and its logs are all sent."""
+
+    def __init__(
+        self,
+        store: LogStore,
+        backend: Backend,
+        tracker: JobTracker,
+        task_id: int,
+        tail_lines: int,
+    ) -> None:
+        self._store = store
+        self._backend = backend
+        self._tracker = tracker
+        self._job_id = tracker.job_id
+        self._task_id = task_id
+        # Applies to what is already there when following starts, like `tail -n N -f`.
+        self._tail_lines = tail_lines
+        self._attempt: _Attempt | None = None
+        self._last = b""
+
+    def _task(self) -> job_pb2.Task:
+        return self._tracker.job.tasks[self._task_id]
+
+    async def follow(self) -> AsyncIterator[bytes]:
+        while True:
+            store_changed = self._store.changed(self._job_id)
+            task = self._task()
+            status = task_status(task)
+            if self._tracker.over or status in TERMINAL:
+                if self._final_copy_ready(task):
+                    for chunk in self._finish():
+                        yield chunk
+                    return
+                # The controller fetches the logs right after a task ends.
+                await self._tracker.wait(store_changed)
+                continue
+            if task.cluster_name and status in TAILABLE:
+                if self._attempt is None or not self._attempt.same_as(task):
+                    async for chunk in self._begin_attempt(task):
+                        yield chunk
+                attempt = self._attempt
+                assert attempt is not None
+                if attempt.retail:
+                    attempt.retail = False
+                    async for chunk in self._tail(attempt):
+                        yield chunk
+                    continue
+                # The tail ended or broke before the task finished on the cluster (it
+                # was still starting, or unreadable): tail again after the next event.
+                attempt.retail = not attempt.finished_on_cluster
+            await self._tracker.wait()
+
+    def _emit(self, data: bytes) -> bytes:
+        if data:
+            self._last = data[-1:]
+        return data
+
+    def _final_copy_ready(self, task: job_pb2.Task) -> bool:
+        cluster = self._attempt.cluster_name if self._attempt else task.cluster_name
+        if self._tracker.over or self._tracker.job.current_task_id > self._task_id or not cluster:
+            return True
+        stored = self._store.task_log(self._job_id, self._task_id)
+        return stored is not None and stored.last_for(cluster) is not None
+
+    def _finish(self) -> list[bytes]:
+        stored = self._store.task_log(self._job_id, self._task_id)
+        if stored is None:
+            return []
+        start = 0
+        if self._attempt is not None:
+            section = stored.last_for(self._attempt.cluster_name)
+            if section is None:
+                return []
+            start = section.offset + min(self._attempt.covered, section.size)
+        elif self._tail_lines:
+            start = self._store.tail_offset(stored.path, self._tail_lines)
+        return [self._emit(b) for b in self._store.read_range(stored.path, start, stored.size)]
+
+    async def _begin_attempt(self, task: job_pb2.Task) -> AsyncIterator[bytes]:
+        first = self._attempt is None
+        self._attempt = _Attempt(task.cluster_name, task.recovery_count, task.restart_count)
+        if not first:
+            yield self._emit(separator(self._last))
+            return
+        stored = self._store.task_log(self._job_id, self._task_id)
+        backlog = _stored_before(self._store, stored, task.cluster_name)
+        if self._tail_lines:
+            # Cut the last lines out of everything there now, live part included.
+            live = await _read_live(self._backend, task.cluster_name) or b""
+            self._attempt.covered = len(live)
+            backlog += live
+            backlog = backlog[tail_start(backlog, self._tail_lines) :]
+        for chunk in chunks(backlog):
+            yield self._emit(chunk)
+
+    async def _tail(self, attempt: _Attempt) -> AsyncIterator[bytes]:
+        """Streams the attempt's live log until it ends, breaks, or the task moves on."""
+        queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=16)
+        source = self._backend.tail_logs(self._backend.handle_for(attempt.cluster_name))
+        pump = asyncio.create_task(_pump(source, queue))
+        getter: asyncio.Task[Any] | None = None
+        received = 0
+        try:
+            while True:
+                if getter is None:
+                    getter = asyncio.create_task(queue.get())
+                await self._tracker.wait(getter)
+                if not getter.done():
+                    task = self._task()
+                    if self._tracker.over or not attempt.same_as(task):
+                        return
+                    if task_status(task) not in TAILABLE | TERMINAL:
+                        # RECOVERING: the cluster is going away, and a relaunch may
+                        # reuse its name; the next attempt starts its own log.
+                        return
+                    continue
+                item, getter = getter.result(), None
+                if item is _END:
+                    attempt.finished_on_cluster = await self._finished_on_cluster(attempt)
+                    return
+                if isinstance(item, Exception):
+                    log.info(
+                        "live tail broke",
+                        extra={"cluster": attempt.cluster_name, "error": repr(item)},
+                    )
+                    return
+                # A re-tail starts from the beginning: skip what was already sent.
+                fresh = item[max(0, attempt.covered - received) :]
+                received += len(item)
+                attempt.covered = max(attempt.covered, received)
+                if fresh:
+                    yield self._emit(fresh)
+        finally:
+            if getter is not None:
+                getter.cancel()
+            pump.cancel()
+            await asyncio.wait([pump])
+
+    async def _finished_on_cluster(self, attempt: _Attempt) -> bool:
+        try:
+            status = await self._backend.task_status(self._backend.handle_for(attempt.cluster_name))
+        except Exception:
+            return False
+        return status is not None and status.finished
+
+
+async def _pump(source: AsyncIterator[bytes], queue: asyncio.Queue[Any]) -> None:
+    """Moves a backend's tail into a queue, so it can be raced against job events."""
+    try:
+        async for chunk in source:
+            await queue.put(chunk)
+        await queue.put(_END)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        await queue.put(exc)
+    finally:
+        aclose = getattr(source, "aclose", None)
+        if aclose is not None:
+            await aclose()

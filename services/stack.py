@@ -1,0 +1,203 @@
+"""Starts the whole system on this host: scheduler, controller replicas and logs.
+
+`python -m services.stack` (what `make up` runs) starts a scheduler, two
+controller replicas and the logs service as separate processes, with SQLite
+under the data dir and the local backend, and stops them all on Ctrl-C. The
+end-to-end tests start the same topology through `Stack`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_serving(address: str, timeout: float = 30.0) -> None:
+    """Blocks until the server at `address` reports SERVING on grpc.health.v1."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{address} did not become healthy in {timeout:.0f}s")
+            time.sleep(0.1)
+
+
+@dataclasses.dataclass
+class Service:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    address: str = ""
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        log.close()
+
+    def signal(self, sig: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.kill(self.process.pid, sig)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        if self.process is None:
+            return
+        self.signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.process.wait()
+
+
+class Stack:
+    """The topology of SPEC §13 as local processes, on the ports given or free ones."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        replicas: int = 2,
+        scheduler_port: int = 0,
+        logs_port: int = 0,
+        controller_ports: Sequence[int] = (),
+        env: Mapping[str, str] | None = None,
+        controller_args: Sequence[str] = (),
+        scheduler_args: Sequence[str] = (),
+    ) -> None:
+        self.data_dir = data_dir.resolve()
+        base = dict(os.environ if env is None else env)
+        base.setdefault("MJ_DATA_DIR", str(self.data_dir))
+        base.setdefault("PYTHONUNBUFFERED", "1")
+        self.env = base
+        self.scheduler_address = f"127.0.0.1:{scheduler_port or free_port()}"
+        self.logs_address = f"127.0.0.1:{logs_port or free_port()}"
+        py = [sys.executable, "-m"]
+        logs_dir = self.data_dir / "service-logs"
+        self.scheduler = Service(
+            "scheduler",
+            [*py, "services.scheduler.main", "--port", self.scheduler_address.split(":")[1]]
+            + list(scheduler_args),
+            base,
+            logs_dir / "scheduler.log",
+            self.scheduler_address,
+        )
+        self.logs = Service(
+            "logs",
+            [*py, "services.logs.main", "--port", self.logs_address.split(":")[1]],
+            {**base, "MJ_SCHEDULER_ADDRESS": self.scheduler_address},
+            logs_dir / "logs.log",
+            self.logs_address,
+        )
+        self.controllers: list[Service] = []
+        for index in range(replicas):
+            port = controller_ports[index] if index < len(controller_ports) else free_port()
+            self.controllers.append(
+                Service(
+                    f"controller-{index + 1}",
+                    [*py, "services.controller.main", "--port", str(port)]
+                    + ["--controller-id", f"controller-{index + 1}", *controller_args],
+                    {
+                        **base,
+                        "MJ_SCHEDULER_ADDRESS": self.scheduler_address,
+                        "MJ_LOGS_ADDRESS": self.logs_address,
+                    },
+                    logs_dir / f"controller-{index + 1}.log",
+                    f"127.0.0.1:{port}",
+                )
+            )
+
+    @property
+    def services(self) -> list[Service]:
+        return [self.scheduler, self.logs, *self.controllers]
+
+    def start(self, timeout: float = 30.0) -> None:
+        self.scheduler.start()
+        wait_serving(self.scheduler_address, timeout)
+        for service in [self.logs, *self.controllers]:
+            service.start()
+        for service in [self.logs, *self.controllers]:
+            wait_serving(service.address, timeout)
+
+    def stop(self) -> None:
+        # Replicas first, so that they hand their jobs back to a live scheduler.
+        for service in [*self.controllers, self.logs, self.scheduler]:
+            service.stop()
+
+    def __enter__(self) -> Stack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data-dir", default=os.environ.get("MJ_DATA_DIR", ".mj"))
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--poll-interval", default=os.environ.get("MJ_POLL_INTERVAL", "1"))
+    args = parser.parse_args(argv)
+    stack = Stack(
+        Path(args.data_dir),
+        replicas=args.replicas,
+        scheduler_port=50051,
+        logs_port=50052,
+        controller_ports=[50061 + i for i in range(args.replicas)],
+        controller_args=["--poll-interval", str(args.poll_interval)],
+    )
+    stopping = False
+
+    def stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    stack.start()
+    print(f"scheduler  {stack.scheduler_address}")
+    print(f"logs       {stack.logs_address}")
+    for service in stack.controllers:
+        print(f"{service.name:<10} {service.address}")
+    print(f"data dir   {stack.data_dir}  (service logs in {stack.data_dir / 'service-logs'})")
+    print("try: mj launch examples/hello.yaml   (Ctrl-C stops everything)")
+    try:
+        while not stopping:
+            for service in stack.services:
+                if service.process is not None and service.process.poll() is not None:
+                    print(f"{service.name} exited with {service.process.returncode}; stopping")
+                    stopping = True
+            time.sleep(0.5)
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    main()

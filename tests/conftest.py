@@ -1,0 +1,94 @@
+"""Shared fixtures: databases (a SQLite file and the PostgreSQL server) and stores.
+
+PostgreSQL tests run against 127.0.0.1:5432 (override with MJ_TEST_POSTGRES_URL).
+Under CI=true they never skip: an unreachable server fails them. Elsewhere they
+skip with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.scheduler.db import Database
+from services.scheduler.events import EventBus
+from services.scheduler.store import Store
+
+POSTGRES_ADMIN_URL = os.environ.get(
+    "MJ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _admin(sql: str) -> None:
+    """Runs one statement on the admin database (in a thread: a test's loop may be running)."""
+    import asyncpg
+
+    async def run() -> None:
+        conn = await asyncpg.connect(POSTGRES_ADMIN_URL, timeout=5)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, run()).result()
+
+
+@pytest.fixture(scope="session")
+def postgres_base() -> Iterator[str]:
+    """A fresh PostgreSQL database for this test session, dropped afterwards."""
+    name = f"mj_test_{uuid.uuid4().hex[:10]}"
+    try:
+        _admin(f'CREATE DATABASE "{name}"')
+    except Exception as exc:  # the server is down or refuses us
+        if IN_CI:
+            pytest.fail(f"PostgreSQL at {POSTGRES_ADMIN_URL} is required under CI: {exc}")
+        pytest.skip(f"PostgreSQL at {POSTGRES_ADMIN_URL} is not reachable: {exc}")
+    base = POSTGRES_ADMIN_URL.rsplit("/", 1)[0]
+    yield f"{base}/{name}"
+    _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database: a SQLite file, or the session's PostgreSQL database emptied."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'scheduler.db'}"
+    url: str = request.getfixturevalue("postgres_base")
+    await _reset_postgres(url)
+    return url
+
+
+async def _reset_postgres(url: str) -> None:
+    db = Database.open(url)
+    try:
+        async with db.write_engine.begin() as conn:
+            await conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+            await conn.exec_driver_sql("CREATE SCHEMA public")
+    finally:
+        await db.close()
+
+
+@pytest.fixture
+async def database(database_url: str) -> AsyncIterator[Database]:
+    db = Database.open(database_url)
+    await db.migrate()
+    yield db
+    await db.close()
+
+
+@pytest.fixture
+def bus() -> EventBus:
+    return EventBus()
+
+
+@pytest.fixture
+def store(database: Database, bus: EventBus) -> Store:
+    return Store(database, bus)

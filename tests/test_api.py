@@ -1,0 +1,161 @@
+"""JobService through a real gRPC server: bad input is refused and changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2, status_pb2
+
+from managedjobs.v1 import job_service_pb2 as pb
+from managedjobs.v1 import job_service_pb2_grpc
+from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler.admission import Limits
+from services.scheduler.main import SchedulerApp
+
+
+@pytest.fixture
+async def client(database_url: str) -> AsyncIterator[job_service_pb2_grpc.JobServiceStub]:
+    app = SchedulerApp(database_url, Limits())
+    port = await app.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        yield job_service_pb2_grpc.JobServiceStub(channel)
+    await app.close()
+
+
+def error_info(error: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            status = status_pb2.Status.FromString(value)
+            info = error_details_pb2.ErrorInfo()
+            status.details[0].Unpack(info)
+            return info
+    raise AssertionError("no error details")
+
+
+BAD_SPECS = [
+    ("malformed yaml", "name: x\nrun: [unclosed\n", "spec_yaml"),
+    ("unknown field", "name: x\nrun: echo\nresources:\n  gpus: 1\n", "resources.gpus"),
+    ("bad name", "name: Bad_Name\nrun: echo\n", "name"),
+    ("empty chain", "", "tasks"),
+    ("name only", "name: lonely\n", "tasks"),
+    (
+        "bad type in a chain",
+        "name: c\n---\nrun: a\n---\nrun: b\nnum_nodes: many\n",
+        "tasks[1].num_nodes",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "spec", "field"), BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+async def test_bad_spec_is_invalid_argument_naming_the_field_and_stores_nothing(
+    client: job_service_pb2_grpc.JobServiceStub, case: str, spec: str, field: str
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, user="alice"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in (caught.value.details() or "")
+    info = error_info(caught.value)
+    assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == field
+    listed = await client.ListJobs(pb.ListJobsRequest())
+    assert list(listed.jobs) == []
+
+
+async def test_oversized_spec_is_refused(client: job_service_pb2_grpc.JobServiceStub) -> None:
+    spec = "name: big\nrun: " + "x" * (1024 * 1024 + 10) + "\n"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))
+    assert caught.value.code() in (
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    )
+
+
+async def test_submit_get_list_and_cancel_waiting_job(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    submitted = await client.SubmitJob(
+        pb.SubmitJobRequest(spec_yaml="name: hi\nrun: echo hi\n", user="alice", priority=5)
+    )
+    job = (await client.GetJob(pb.GetJobRequest(job_id=submitted.job_id))).job
+    assert (job.name, job.user, job.priority) == ("hi", "alice", 5)
+    assert job.schedule_state == ScheduleState.WAITING  # no replica connected
+    cancelled = await client.CancelJobs(pb.CancelJobsRequest(job_ids=[submitted.job_id]))
+    assert list(cancelled.cancelled_job_ids) == [submitted.job_id]
+    job = (await client.GetJob(pb.GetJobRequest(job_id=submitted.job_id))).job
+    assert job.status == JobStatus.CANCELLED and job.schedule_state == ScheduleState.DONE
+    again = await client.CancelJobs(pb.CancelJobsRequest(job_ids=[submitted.job_id]))
+    assert list(again.cancelled_job_ids) == []
+
+
+async def test_idempotent_submit(client: job_service_pb2_grpc.JobServiceStub) -> None:
+    request = pb.SubmitJobRequest(spec_yaml="run: echo\n", user="a", idempotency_key="k")
+    first = await client.SubmitJob(request)
+    second = await client.SubmitJob(request)
+    assert first.job_id == second.job_id
+
+
+@pytest.mark.parametrize(
+    ("call", "request_message", "code"),
+    [
+        ("GetJob", pb.GetJobRequest(job_id=0), grpc.StatusCode.INVALID_ARGUMENT),
+        ("GetJob", pb.GetJobRequest(job_id=999), grpc.StatusCode.NOT_FOUND),
+        ("ListJobs", pb.ListJobsRequest(page_size=-1), grpc.StatusCode.INVALID_ARGUMENT),
+        ("ListJobs", pb.ListJobsRequest(page_token="garbage!"), grpc.StatusCode.INVALID_ARGUMENT),
+        ("ListJobs", pb.ListJobsRequest(statuses=[99]), grpc.StatusCode.INVALID_ARGUMENT),
+        ("CancelJobs", pb.CancelJobsRequest(), grpc.StatusCode.INVALID_ARGUMENT),
+        (
+            "CancelJobs",
+            pb.CancelJobsRequest(job_ids=[5], all=True),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        ("CancelJobs", pb.CancelJobsRequest(all=True), grpc.StatusCode.INVALID_ARGUMENT),
+        ("CancelJobs", pb.CancelJobsRequest(job_ids=[12345]), grpc.StatusCode.NOT_FOUND),
+        (
+            "SubmitJob",
+            pb.SubmitJobRequest(spec_yaml="run: x", priority=5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ],
+)
+async def test_bad_requests_get_the_right_code(
+    client: job_service_pb2_grpc.JobServiceStub,
+    call: str,
+    request_message: object,
+    code: grpc.StatusCode,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await getattr(client, call)(request_message)
+    assert caught.value.code() == code
+    assert caught.value.details()
+
+
+async def test_list_pages_through_every_job(client: job_service_pb2_grpc.JobServiceStub) -> None:
+    ids = [
+        (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n", user="u"))).job_id
+        for _ in range(7)
+    ]
+    seen: list[int] = []
+    token = ""
+    while True:
+        page = await client.ListJobs(pb.ListJobsRequest(page_size=3, page_token=token))
+        seen += [j.job_id for j in page.jobs]
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == ids[::-1]
+
+
+async def test_watch_streams_backlog_then_live_events(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n"))).job_id
+    stream = client.WatchJobs(pb.WatchJobsRequest(job_ids=[job_id]))
+    first = await stream.read()
+    assert first.event.message == "submitted"
+    await client.CancelJobs(pb.CancelJobsRequest(job_ids=[job_id]))
+    second = await stream.read()
+    assert second.event.status == JobStatus.CANCELLED
+    assert second.event.event_id > first.event.event_id
+    stream.cancel()
