@@ -85,6 +85,17 @@ SCHEDULE_TRANSITIONS: dict[ScheduleState, frozenset[ScheduleState]] = {
 ALIVE_STATES = frozenset({St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING})
 
 
+class IllegalTransition(ValueError):
+    """A move the transition tables forbid."""
+
+
+def schedule_transition(old: ScheduleState, new: ScheduleState) -> ScheduleState:
+    """Returns `new` if a job may move from `old` to it (staying put is allowed), else raises."""
+    if old != new and new not in SCHEDULE_TRANSITIONS[old]:
+        raise IllegalTransition(f"schedule state {old.name} -> {new.name} is not allowed")
+    return new
+
+
 def task_transition_allowed(old: JobStatus, new: JobStatus) -> bool:
     """Whether a task may move from `old` to `new` (a repeat of the same status is a no-op)."""
     return old == new or new in TASK_TRANSITIONS[old]

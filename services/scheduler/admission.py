@@ -170,31 +170,33 @@ class Admission:
                         ),
                     )
 
-    def _best_replica(self, need_job_room: bool) -> ReplicaInfo | None:
+    def _best_replica(self, need_launch_room: bool) -> ReplicaInfo | None:
+        """The non-draining replica with the most room for one more job, if any has room."""
         best: ReplicaInfo | None = None
         best_room = 0
         for replica in self.replicas.values():
             if replica.draining:
                 continue
             slots = self.slots.setdefault(replica.controller_id, Slots())
-            launch_room = self.limit_launches(replica) - slots.launching
-            job_room = self.limit_jobs(replica) - slots.alive
-            room = min(launch_room, job_room) if need_job_room else job_room
-            if need_job_room and room <= 0:
-                continue
-            if best is None or room > best_room:
+            room = self.limit_jobs(replica) - slots.alive
+            if need_launch_room:
+                room = min(room, self.limit_launches(replica) - slots.launching)
+            if room > best_room:
                 best, best_room = replica, room
         return best
 
     async def _place_orphans(self) -> None:
-        """Jobs whose replica died go to the replica with the most room, limits aside:
-        they were admitted already and must not wait behind new work."""
+        """Jobs whose replica died go to the replica with the most job room, before any
+        new job: they were admitted already. They hold no launch slot (the store freed
+        it), so only the job limit applies."""
         while True:
+            if self._best_replica(need_launch_room=False) is None:
+                return
             rows = await self.store.orphans(BATCH)
             if not rows:
                 return
             for row in rows:
-                replica = self._best_replica(need_job_room=False)
+                replica = self._best_replica(need_launch_room=False)
                 if replica is None:
                     return
                 state = row.schedule_state
@@ -213,7 +215,7 @@ class Admission:
     async def _admit_waiting(self) -> None:
         while True:
             room = min(self._global_launch_room(), self._global_job_room())
-            if room <= 0 or self._best_replica(need_job_room=True) is None:
+            if room <= 0 or self._best_replica(need_launch_room=True) is None:
                 return
             rows = await self.store.queued(St.WAITING, None, min(room, BATCH))
             if not rows:
@@ -221,7 +223,7 @@ class Admission:
             for row in rows:
                 if self._global_launch_room() <= 0 or self._global_job_room() <= 0:
                     return
-                replica = self._best_replica(need_job_room=True)
+                replica = self._best_replica(need_launch_room=True)
                 if replica is None:
                     return
                 move = await self.store.move(

@@ -22,10 +22,11 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from managedjobs.v1 import job_pb2, scheduler_service_pb2
 from services.common.statuses import (
-    SCHEDULE_TRANSITIONS,
     TERMINAL,
+    IllegalTransition,
     JobStatus,
     ScheduleState,
+    schedule_transition,
     task_transition_allowed,
 )
 from services.scheduler import convert
@@ -103,7 +104,7 @@ class Store:
                     pool=job.pool,
                     idempotency_key=key,
                     status=S.PENDING,
-                    schedule_state=St.WAITING,
+                    schedule_state=schedule_transition(St.INACTIVE, St.WAITING),
                     current_task=0,
                     num_tasks=len(job.tasks),
                     epoch=0,
@@ -256,7 +257,7 @@ class Store:
 
         `assign_to` hands the job to that replica with the next epoch.
         """
-        old = [state for state in old if state == new or new in SCHEDULE_TRANSITIONS[state]]
+        old = [state for state in old if _allowed(state, new)]
         now = self.clock()
         values: dict[str, object] = {"schedule_state": new}
         if wait_reason is not None:
@@ -314,7 +315,7 @@ class Store:
                 prior = row.schedule_state
                 row.controller_id = None
                 if row.schedule_state == St.LAUNCHING:
-                    row.schedule_state = St.ALIVE
+                    row.schedule_state = schedule_transition(row.schedule_state, St.ALIVE)
                 for task in tasks.get(row.id, []):
                     if task.status == S.STARTING:
                         task.status = S.RECOVERING
@@ -495,7 +496,7 @@ class Store:
                         task.failure_reason = "the lifecycle ended without a final status"
             prior = job.schedule_state
             job.status, job.current_task = job_status(tasks)
-            job.schedule_state = St.DONE
+            job.schedule_state = schedule_transition(job.schedule_state, St.DONE)
             job.end_time = now
             job.wait_reason = ""
             event = self._event(session, job, job.current_task, "done", now)
@@ -527,3 +528,11 @@ class Store:
 
 
 ALIVE_LIST = (St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING)
+
+
+def _allowed(old: ScheduleState, new: ScheduleState) -> bool:
+    try:
+        schedule_transition(old, new)
+    except IllegalTransition:
+        return False
+    return True

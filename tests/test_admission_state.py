@@ -1,0 +1,220 @@
+"""A hypothesis state machine over admission (SPEC §5), on the real store and counters.
+
+Random submits with priorities, replicas joining, draining and leaving, launch
+slot requests, launch completions, backoffs, job completions and cancels; after
+every step a scheduling pass runs and the invariants are checked:
+- never launching over a launch limit, never alive over a job limit, per replica
+  and globally;
+- ALIVE_WAITING is served first: none is left waiting while its replica has a
+  free launch slot;
+- WAITING is admitted by priority, then submission order, and none is left
+  while some replica could take it;
+- the in-memory counters equal a recount from the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.statuses import ScheduleState
+from services.scheduler.admission import Admission, Limits, ReplicaInfo, counters_from
+from services.scheduler.db import Database
+from services.scheduler.events import EventBus
+from services.scheduler.spec import parse_job_spec
+from services.scheduler.store import NewJob, Store
+
+St = ScheduleState
+SPEC = parse_job_spec("name: j\nrun: echo\n")
+GLOBAL_LAUNCHES = 5
+GLOBAL_JOBS = 9
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.db = Database.open(f"sqlite:///{Path(self.tmp.name) / 'a.db'}")
+        self.store = Store(self.db, EventBus())
+        self.sent: list[tuple[str, pb.ConnectControllerResponse]] = []
+        self.admission = Admission(
+            self.store,
+            Limits(global_launches=GLOBAL_LAUNCHES, global_jobs=GLOBAL_JOBS),
+            lambda cid, msg: self.sent.append((cid, msg)) is None,
+        )
+        self.run(self.db.migrate())
+        self.next_replica = 0
+        self.waiting_before: list[tuple[int, int]] = []
+
+    def run(self, coro: Any) -> Any:
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        self.run(self.db.close())
+        self.loop.close()
+        self.tmp.cleanup()
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def jobs(self, state: ScheduleState) -> list[Any]:
+        return self.run(self.store.queued(state, None, 10_000))
+
+    def rank(self) -> dict[int, tuple[int, int]]:
+        return {j.id: (-j.priority, j.id) for j in self.jobs(St.WAITING)}
+
+    def schedule(self) -> None:
+        self.waiting_before = sorted(self.rank().values())
+        self.run(self.admission.schedule())
+
+    # --- rules -------------------------------------------------------------------------
+
+    @initialize()
+    def start(self) -> None:
+        self.run(self.admission.rebuild())
+
+    @rule(priority=st.integers(-3, 3), count=st.integers(1, 3))
+    def submit(self, priority: int, count: int) -> None:
+        for _ in range(count):
+            self.run(self.store.submit(NewJob("j", "u", priority, "", "", SPEC.tasks)))
+        self.schedule()
+
+    @rule(launches=st.integers(1, 3), jobs=st.integers(1, 4))
+    def replica_joins(self, launches: int, jobs: int) -> None:
+        self.next_replica += 1
+        cid = f"r{self.next_replica}"
+        self.admission.replicas[cid] = ReplicaInfo(
+            cid, pb.Capacity(max_launches=launches, max_jobs=jobs)
+        )
+        self.schedule()
+
+    @precondition(lambda self: self.admission.replicas)
+    @rule(data=st.data())
+    def replica_drains(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.admission.replicas)))
+        self.admission.replicas[cid].draining = True
+        self.schedule()
+
+    @precondition(lambda self: self.admission.replicas)
+    @rule(data=st.data())
+    def replica_leaves(self, data: st.DataObject) -> None:
+        cid = data.draw(st.sampled_from(sorted(self.admission.replicas)))
+        del self.admission.replicas[cid]
+        self.admission.applied(self.run(self.store.release_replica(cid)))
+        self.schedule()
+
+    def _pick(self, data: st.DataObject, state: ScheduleState) -> Any | None:
+        rows = [j for j in self.jobs(state) if j.controller_id is not None]
+        return data.draw(st.sampled_from(rows)) if rows else None
+
+    @rule(data=st.data(), backoff=st.booleans())
+    def launch_ends(self, data: st.DataObject, backoff: bool) -> None:
+        """A launch finishes, or backs off and gives its slot back (and asks again)."""
+        job = self._pick(data, St.LAUNCHING)
+        if job is None:
+            return
+        reason = "backing off after no capacity in r" if backoff else ""
+        move = self.run(
+            self.store.move(job.id, [St.LAUNCHING], St.ALIVE, epoch=job.epoch,
+                            controller_id=job.controller_id, wait_reason=reason)
+        )  # fmt: skip
+        self.admission.apply(move)
+        if backoff:
+            self._request(job)
+        self.schedule()
+
+    def _request(self, job: Any) -> None:
+        move = self.run(
+            self.store.move(job.id, [St.ALIVE], St.ALIVE_WAITING, epoch=job.epoch,
+                            controller_id=job.controller_id)
+        )  # fmt: skip
+        self.admission.apply(move)
+
+    @rule(data=st.data())
+    def next_task_needs_a_slot(self, data: st.DataObject) -> None:
+        job = self._pick(data, St.ALIVE)
+        if job is not None:
+            self._request(job)
+            self.schedule()
+
+    @rule(data=st.data(), state=st.sampled_from([St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING]))
+    def job_finishes(self, data: st.DataObject, state: ScheduleState) -> None:
+        job = self._pick(data, state)
+        if job is not None:
+            self.admission.apply(self.run(self.store.finish(job.id, job.epoch, job.controller_id)))
+            self.schedule()
+
+    @rule(data=st.data())
+    def cancel_waiting(self, data: st.DataObject) -> None:
+        waiting = self.jobs(St.WAITING)
+        if waiting:
+            job = data.draw(st.sampled_from(waiting))
+            assert self.run(self.store.cancel_unstarted(job.id))
+            self.schedule()
+
+    # --- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def within_limits(self) -> None:
+        totals = self.admission.totals()
+        assert totals.launching <= GLOBAL_LAUNCHES
+        assert totals.alive <= GLOBAL_JOBS
+        for cid, replica in self.admission.replicas.items():
+            slots = self.admission.slots.get(cid)
+            if slots is None:
+                continue
+            assert slots.launching <= replica.capacity.max_launches, cid
+            assert slots.alive <= replica.capacity.max_jobs, cid
+
+    @invariant()
+    def counters_equal_a_recount(self) -> None:
+        recount = counters_from(self.run(self.store.recount()))
+        mine = {k: v for k, v in self.admission.slots.items() if v.alive or v.launching}
+        assert mine == {k: v for k, v in recount.items() if v.alive or v.launching}
+
+    @invariant()
+    def alive_waiting_served_first(self) -> None:
+        global_room = GLOBAL_LAUNCHES - self.admission.totals().launching
+        for job in self.jobs(St.ALIVE_WAITING):
+            replica = self.admission.replicas.get(job.controller_id)
+            if replica is None or global_room <= 0:
+                continue
+            assert (
+                self.admission.slots[job.controller_id].launching >= replica.capacity.max_launches
+            )
+
+    @invariant()
+    def waiting_admitted_in_order_and_only_when_full(self) -> None:
+        still = sorted(self.rank().values())
+        admitted = [r for r in self.waiting_before if r not in still]
+        if still and admitted:
+            assert max(admitted) < still[0], "a lower-ranked job was admitted first"
+        if still:
+            totals = self.admission.totals()
+            room = any(
+                not r.draining
+                and self.admission.slots.get(cid, None) is not None
+                and self.admission.slots[cid].launching < r.capacity.max_launches
+                and self.admission.slots[cid].alive < r.capacity.max_jobs
+                for cid, r in self.admission.replicas.items()
+            ) or any(
+                not r.draining and cid not in self.admission.slots
+                for cid, r in self.admission.replicas.items()
+            )
+            assert not room or totals.launching >= GLOBAL_LAUNCHES or totals.alive >= GLOBAL_JOBS
+
+
+AdmissionMachine.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestAdmission = AdmissionMachine.TestCase
