@@ -2,8 +2,11 @@
 
 `python -m services.stack` (what `make up` runs) starts a scheduler, two
 controller replicas and the logs service as separate processes, with SQLite
-under the data dir and the local backend, and stops them all on Ctrl-C. The
-end-to-end tests start the same topology through `Stack`.
+under the data dir and the local backend, and stops them all on Ctrl-C. With
+`--backend sim` it first starts `mj-simcloud` (on port 50071, with
+`--simcloud-config` if given) and runs the controllers and logs on the sim
+backend. The end-to-end tests start the same topology through `Stack`
+(`simcloud_args` not None: with a sim cloud).
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ class Stack:
         env: Mapping[str, str] | None = None,
         controller_args: Sequence[str] = (),
         scheduler_args: Sequence[str] = (),
+        simcloud_args: Sequence[str] | None = None,
+        simcloud_port: int = 0,
     ) -> None:
         self.data_dir = data_dir.resolve()
         base = dict(os.environ if env is None else env)
@@ -101,6 +106,21 @@ class Stack:
         self.logs_address = f"127.0.0.1:{logs_port or free_port()}"
         py = [sys.executable, "-m"]
         logs_dir = self.data_dir / "service-logs"
+        # With a sim cloud, controllers and logs use the sim backend pointed at it.
+        self.simcloud: Service | None = None
+        self.simcloud_address = ""
+        backend_env: dict[str, str] = {}
+        if simcloud_args is not None:
+            self.simcloud_address = f"127.0.0.1:{simcloud_port or free_port()}"
+            cloud_port = self.simcloud_address.split(":")[1]
+            self.simcloud = Service(
+                "simcloud",
+                [*py, "services.simcloud.main", "--port", cloud_port, *simcloud_args],
+                base,
+                logs_dir / "simcloud.log",
+                self.simcloud_address,
+            )
+            backend_env = {"MJ_BACKEND": "sim", "MJ_SIMCLOUD_ADDRESS": self.simcloud_address}
         self.scheduler = Service(
             "scheduler",
             [*py, "services.scheduler.main", "--port", self.scheduler_address.split(":")[1]]
@@ -112,7 +132,7 @@ class Stack:
         self.logs = Service(
             "logs",
             [*py, "services.logs.main", "--port", self.logs_address.split(":")[1]],
-            {**base, "MJ_SCHEDULER_ADDRESS": self.scheduler_address},
+            {**base, **backend_env, "MJ_SCHEDULER_ADDRESS": self.scheduler_address},
             logs_dir / "logs.log",
             self.logs_address,
         )
@@ -126,6 +146,7 @@ class Stack:
                     + ["--controller-id", f"controller-{index + 1}", *controller_args],
                     {
                         **base,
+                        **backend_env,
                         "MJ_SCHEDULER_ADDRESS": self.scheduler_address,
                         "MJ_LOGS_ADDRESS": self.logs_address,
                     },
@@ -136,9 +157,13 @@ class Stack:
 
     @property
     def services(self) -> list[Service]:
-        return [self.scheduler, self.logs, *self.controllers]
+        cloud = [self.simcloud] if self.simcloud is not None else []
+        return [*cloud, self.scheduler, self.logs, *self.controllers]
 
     def start(self, timeout: float = 30.0) -> None:
+        if self.simcloud is not None:
+            self.simcloud.start()
+            wait_serving(self.simcloud.address, timeout)
         self.scheduler.start()
         wait_serving(self.scheduler_address, timeout)
         for service in [self.logs, *self.controllers]:
@@ -150,6 +175,9 @@ class Stack:
         # Replicas first, so that they hand their jobs back to a live scheduler.
         for service in [*self.controllers, self.logs, self.scheduler]:
             service.stop()
+        # The cloud last: replicas tear clusters down through it until they stop.
+        if self.simcloud is not None:
+            self.simcloud.stop()
 
     def __enter__(self) -> Stack:
         self.start()
@@ -164,7 +192,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--data-dir", default=os.environ.get("MJ_DATA_DIR", ".mj"))
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--poll-interval", default=os.environ.get("MJ_POLL_INTERVAL", "1"))
+    parser.add_argument(
+        "--backend",
+        choices=["local", "sim"],
+        default=os.environ.get("MJ_BACKEND", "local"),
+        help="local: processes on this host; sim: start mj-simcloud and use it",
+    )
+    parser.add_argument(
+        "--simcloud-config",
+        default=os.environ.get("MJ_SIMCLOUD_CONFIG", ""),
+        help="YAML config of the sim cloud (default: its built-in three regions)",
+    )
     args = parser.parse_args(argv)
+    simcloud_args: list[str] | None = None
+    if args.backend == "sim":
+        simcloud_args = ["--config", args.simcloud_config] if args.simcloud_config else []
     stack = Stack(
         Path(args.data_dir),
         replicas=args.replicas,
@@ -172,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         logs_port=50052,
         controller_ports=[50061 + i for i in range(args.replicas)],
         controller_args=["--poll-interval", str(args.poll_interval)],
+        simcloud_args=simcloud_args,
+        simcloud_port=50071,
     )
     stopping = False
 
@@ -182,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     stack.start()
+    if stack.simcloud is not None:
+        print(f"simcloud   {stack.simcloud_address}")
     print(f"scheduler  {stack.scheduler_address}")
     print(f"logs       {stack.logs_address}")
     for service in stack.controllers:

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ScheduleState
-from services.scheduler.admission import Admission, Limits, ReplicaInfo, counters_from
+from services.scheduler.admission import Admission, Limits, ReplicaInfo, live_counts
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.spec import parse_job_spec
@@ -82,8 +82,9 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule(priority=st.integers(-3, 3), count=st.integers(1, 3))
     def submit(self, priority: int, count: int) -> None:
-        for _ in range(count):
-            self.run(self.store.submit(NewJob("j", "u", priority, "", "", SPEC.tasks)))
+        jobs = [NewJob("j", "u", priority, "", "", SPEC.tasks) for _ in range(count)]
+        answers = self.run(self.store.submit_many(jobs))
+        self.admission.record(None, St.WAITING, sum(created for _, created in answers))
         self.schedule()
 
     @rule(launches=st.integers(1, 3), jobs=st.integers(1, 4))
@@ -157,6 +158,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         if waiting:
             job = data.draw(st.sampled_from(waiting))
             assert self.run(self.store.cancel_unstarted(job.id))
+            self.admission.record(None, St.WAITING, -1)
             self.schedule()
 
     # --- invariants ----------------------------------------------------------------------
@@ -167,17 +169,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         assert totals.launching <= GLOBAL_LAUNCHES
         assert totals.alive <= GLOBAL_JOBS
         for cid, replica in self.admission.replicas.items():
-            slots = self.admission.slots.get(cid)
-            if slots is None:
-                continue
+            slots = self.admission.slots(cid)
             assert slots.launching <= replica.capacity.max_launches, cid
             assert slots.alive <= replica.capacity.max_jobs, cid
 
     @invariant()
     def counters_equal_a_recount(self) -> None:
-        recount = counters_from(self.run(self.store.recount()))
-        mine = {k: v for k, v in self.admission.slots.items() if v.alive or v.launching}
-        assert mine == {k: v for k, v in recount.items() if v.alive or v.launching}
+        recount = live_counts(self.run(self.store.recount()))
+        assert live_counts(self.admission.counts) == recount
 
     @invariant()
     def alive_waiting_served_first(self) -> None:
@@ -186,9 +185,8 @@ class AdmissionMachine(RuleBasedStateMachine):
             replica = self.admission.replicas.get(job.controller_id)
             if replica is None or global_room <= 0:
                 continue
-            assert (
-                self.admission.slots[job.controller_id].launching >= replica.capacity.max_launches
-            )
+            launching = self.admission.slots(job.controller_id).launching
+            assert launching >= replica.capacity.max_launches
 
     @invariant()
     def waiting_admitted_in_order_and_only_when_full(self) -> None:
@@ -200,12 +198,8 @@ class AdmissionMachine(RuleBasedStateMachine):
             totals = self.admission.totals()
             room = any(
                 not r.draining
-                and self.admission.slots.get(cid, None) is not None
-                and self.admission.slots[cid].launching < r.capacity.max_launches
-                and self.admission.slots[cid].alive < r.capacity.max_jobs
-                for cid, r in self.admission.replicas.items()
-            ) or any(
-                not r.draining and cid not in self.admission.slots
+                and self.admission.slots(cid).launching < r.capacity.max_launches
+                and self.admission.slots(cid).alive < r.capacity.max_jobs
                 for cid, r in self.admission.replicas.items()
             )
             assert not room or totals.launching >= GLOBAL_LAUNCHES or totals.alive >= GLOBAL_JOBS

@@ -221,6 +221,8 @@ class System:
     store: LogStore
     stub: log_service_pb2_grpc.LogServiceAsyncStub
     data_dir: Path
+    servicer: LogServicer
+    scheduler_server: Server
 
     async def fetch(
         self, job_id: int, task_id: int, cluster: str, handle: ClusterHandle | None = None
@@ -287,21 +289,23 @@ async def running_system(data_dir: Path, backend: Backend) -> AsyncIterator[Syst
     scheduler_port = await scheduler_server.start()
     directory = JobDirectory(f"127.0.0.1:{scheduler_port}")
     store = LogStore(data_dir / "logs")
+    servicer = LogServicer(store, directory, backend)
     logs_server = Server("127.0.0.1", 0)
     logs_server.add(
         log_service_pb2_grpc.add_LogServiceServicer_to_server,
-        LogServicer(store, directory, backend),
+        servicer,
         "managedjobs.v1.LogService",
     )
     logs_port = await logs_server.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{logs_port}")
     try:
         stub = log_service_pb2_grpc.LogServiceStub(channel)
-        yield System(scheduler, backend, store, stub, data_dir)
+        system = System(scheduler, backend, store, stub, data_dir, servicer, scheduler_server)
+        yield system
     finally:
         await channel.close()
         await logs_server.stop(0)
-        await scheduler_server.stop(0)
+        await system.scheduler_server.stop(0)
         await directory.close()
 
 
@@ -505,6 +509,45 @@ async def test_follow_of_a_real_local_cluster_sends_its_output_once(tmp_path: Pa
         assert await system.read(job_id=1) == b"one\ntwo\n"
 
 
+async def test_follow_survives_a_scheduler_restart(system: System) -> None:
+    system.scheduler.add(1)
+    await system.append(1, "before")
+    follow = Follow(system, job_id=1, controller=True)
+    await follow.until(b"before\n")
+    port = system.scheduler_server.port
+    await system.scheduler_server.stop(0)
+
+    restarted = Server("127.0.0.1", port)
+    restarted.add(
+        job_service_pb2_grpc.add_JobServiceServicer_to_server,
+        system.scheduler,
+        "managedjobs.v1.JobService",
+    )
+    await restarted.start()
+    system.scheduler_server = restarted
+    await system.append(1, "after")
+    await follow.until(b"after\n")
+    system.scheduler.update(1, schedule_state=DONE)
+
+    assert await follow.to_end() == b"before\nafter\n"
+
+
+async def test_drain_ends_follow_streams_with_unavailable(system: System) -> None:
+    system.scheduler.add(1)
+    system.scheduler.update(1, status=RUNNING, cluster_name="c1")
+    system.backend.write("c1", b"live\n")
+    task_follow = Follow(system, job_id=1)
+    controller_follow = Follow(system, job_id=1, controller=True)
+    await task_follow.until(b"live\n")
+
+    await system.servicer.drain()
+
+    for follow in (task_follow, controller_follow):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await follow.to_end()
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
 @pytest.mark.parametrize(
     ("fields", "code", "field"),
     [
@@ -536,6 +579,16 @@ async def test_write_rpcs_reject_bad_requests(system: System) -> None:
     for request in [
         log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0),
         log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0, handle_json="{"),
+        log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0, handle_json="[]"),
+        log_service_pb2.FetchTaskLogsRequest(
+            job_id=1, task_id=0, handle_json=ClusterHandle("c1", backend="sim").to_json()
+        ),
+        log_service_pb2.FetchTaskLogsRequest(
+            job_id=1,
+            task_id=0,
+            cluster_name="c2",
+            handle_json=ClusterHandle("c1", "memory").to_json(),
+        ),
         log_service_pb2.FetchTaskLogsRequest(job_id=0, task_id=0, cluster_name="c1"),
     ]:
         with pytest.raises(grpc.aio.AioRpcError) as raised:

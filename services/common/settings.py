@@ -83,3 +83,9 @@ SHUTDOWN_GRACE = Setting(
     "seconds in-flight RPCs get to finish on SIGTERM",
     float,
 )
+SIMCLOUD_ADDRESS = Setting(
+    "simcloud_address",
+    "MJ_SIMCLOUD_ADDRESS",
+    "127.0.0.1:50071",
+    "sim cloud host:port (sim backend)",
+)

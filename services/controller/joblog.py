@@ -34,6 +34,8 @@ class LogsClient:
         self._wake = asyncio.Event()
         self._flush_interval = flush_interval
         self._task: asyncio.Task[None] | None = None
+        # One shipment at a time, so that a flush waits for lines already in flight.
+        self._flushing = asyncio.Lock()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._ship(), name="controller-log-shipper")
@@ -51,6 +53,11 @@ class LogsClient:
             await asyncio.sleep(self._flush_interval)
 
     async def flush(self) -> None:
+        """Ships every line noted so far; returns once they are stored (or shipping failed)."""
+        async with self._flushing:
+            await self._ship_pending()
+
+    async def _ship_pending(self) -> None:
         while self._lines:
             batch, self._lines = self._lines[:BATCH_LINES], self._lines[BATCH_LINES:]
             try:

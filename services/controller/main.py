@@ -40,6 +40,7 @@ SETTINGS = (
     settings.SCHEDULER_ADDRESS,
     settings.LOGS_ADDRESS,
     settings.BACKEND,
+    settings.SIMCLOUD_ADDRESS,
     settings.DATA_DIR,
     Setting("max_launches", "MJ_CONTROLLER_MAX_LAUNCHES", 0, "launch capacity (0: 4 x CPUs)", int),
     Setting("max_jobs", "MJ_CONTROLLER_MAX_JOBS", 0, "job capacity (0: from memory)", int),
@@ -87,7 +88,7 @@ SETTINGS = (
 
 
 async def serve(a: argparse.Namespace) -> None:
-    backend = make_backend(a.backend, root=a.clusters_root)
+    backend = make_backend(a.backend, root=a.clusters_root, simcloud_address=a.simcloud_address)
     config = LifecycleConfig(
         poll_interval=a.poll_interval,
         grace_seconds=a.grace_seconds,

@@ -25,7 +25,7 @@ from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
-from services.controller.lifecycle import JobLifecycle
+from services.controller.lifecycle import JobLifecycle, cluster_name
 from services.controller.link import Link, Rejected
 from services.controller.watch import ClusterWatch
 
@@ -78,6 +78,9 @@ class JobRunner:
         self.slot = LaunchSlot(self, granted)
         self.cancel_requested = job.cancel_requested
         self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config)
+        self.clusters = [cluster_name(job.job_id, t.task_id) for t in job.tasks]
+        for name in self.clusters:
+            replica.watch.track(name)
         self.task: asyncio.Task[None] | None = None
         self._inner: asyncio.Task[None] | None = None
 
@@ -99,10 +102,12 @@ class JobRunner:
                     log.error("lifecycle failed", exc_info=error, extra={"job_id": self.job_id})
                     self.note(f"lifecycle error: {error!r}")
             await self.lifecycle.cleanup(cancelled)
+            self.note("done")
+            # The lifecycle log is complete by the time anyone sees the job DONE.
+            await self.replica.logs.flush()
             await self.replica.link.call(
                 job_finished=pb.JobFinished(job_id=self.job_id, epoch=self.epoch)
             )
-            self.note("done")
         except Rejected as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
         finally:
@@ -237,8 +242,8 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
     def forget(self, runner: JobRunner) -> None:
         if self.runners.get(runner.job_id) is runner:
             del self.runners[runner.job_id]
-        for task in runner.lifecycle.tasks:
-            self.watch.forget(f"mj-{runner.job_id}-{task.task.task_id}")
+        for name in runner.clusters:
+            self.watch.forget(name)
 
     async def on_lease_lost(self) -> None:
         for runner in list(self.runners.values()):

@@ -131,8 +131,8 @@ class Failover(Strategy):
         if lost.region:
             try:
                 return await self.launch(request, regions=[lost.region], attempts=1)
-            except NoResources:
-                self.note(f"no capacity in {lost.region}; trying any allowed region")
+            except (NoResources, PrecheckError) as error:
+                self.note(f"cannot relaunch in {lost.region} ({error}); trying any allowed region")
         return await self.launch(request)
 
 
@@ -143,8 +143,11 @@ class EagerNextRegion(Strategy):
         if lost.region:
             try:
                 return await self.launch(request, blocked=[lost.region], attempts=1)
-            except NoResources:
-                self.note(f"no capacity outside {lost.region}; trying any allowed region")
+            except (NoResources, PrecheckError) as error:
+                # A task pinned to the lost region has nowhere else to go.
+                self.note(
+                    f"cannot relaunch outside {lost.region} ({error}); trying any allowed region"
+                )
         return await self.launch(request)
 
 

@@ -29,6 +29,10 @@ class ClusterWatch:
                 await asyncio.wait_for(flag.wait(), timeout)
         flag.clear()
 
+    def track(self, cluster_name: str) -> None:
+        """Starts keeping news of a cluster this replica cares about, before anyone waits."""
+        self._flags.setdefault(cluster_name, asyncio.Event())
+
     def notify(self, cluster_name: str) -> None:
         flag = self._flags.get(cluster_name)
         if flag is not None:

@@ -24,6 +24,7 @@ from services.common.settings import (
     LOG_LEVEL,
     SCHEDULER_ADDRESS,
     SHUTDOWN_GRACE,
+    SIMCLOUD_ADDRESS,
     Setting,
     parse,
 )
@@ -49,6 +50,7 @@ SETTINGS = (
     DATA_DIR,
     SCHEDULER_ADDRESS,
     BACKEND,
+    SIMCLOUD_ADDRESS,
     LOG_LEVEL,
     SHUTDOWN_GRACE,
     TAIL_POLL_INTERVAL,
@@ -65,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> None:
 async def serve(args: argparse.Namespace) -> None:
     """Serves with the parsed settings; returns after a drained shutdown."""
     data_dir = Path(args.data_dir)
-    options: dict[str, object] = {"root": data_dir / "clusters"}
+    options: dict[str, object] = {
+        "root": data_dir / "clusters",
+        "simcloud_address": args.simcloud_address,
+    }
     if args.backend == "local":
         options["poll_interval"] = args.tail_poll_interval
     backend = make_backend(args.backend, **options)

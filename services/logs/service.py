@@ -66,22 +66,37 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
     async def ReadLogs(
         self, request: log_service_pb2.ReadLogsRequest, context: Context
     ) -> AsyncIterator[log_service_pb2.ReadLogsResponse]:
-        _check_read(request)
+        if request.job_id <= 0:
+            raise InvalidArgument("job_id must be positive", field="job_id")
+        if request.tail_lines < 0:
+            raise InvalidArgument("tail_lines must not be negative", field="tail_lines")
+        stream = self._follow(request) if request.follow else self._read(request)
+        async for response in stream:
+            yield response
+
+    async def _read(
+        self, request: log_service_pb2.ReadLogsRequest
+    ) -> AsyncIterator[log_service_pb2.ReadLogsResponse]:
+        """The logs as they are now."""
         job_id = request.job_id
-        if not request.follow:
-            job = await self._directory.get_job(job_id)
-            if job is None:
-                raise NotFound(f"job {job_id} not found", job_id=str(job_id))
-            if request.controller:
-                for chunk in read_controller_log(self._store, job_id, request.tail_lines):
-                    yield _response(job_id, 0, chunk)
-                return
-            task_id = _task_index(request, job)
-            async for chunk in read_task_logs(
-                self._store, self._backend, job, task_id, request.tail_lines
-            ):
-                yield _response(job_id, task_id, chunk)
+        job = await self._directory.get_job(job_id)
+        if job is None:
+            raise NotFound(f"job {job_id} not found", job_id=str(job_id))
+        if request.controller:
+            for chunk in read_controller_log(self._store, job_id, request.tail_lines):
+                yield _response(job_id, 0, chunk)
             return
+        task_id = _task_index(request, job)
+        async for chunk in read_task_logs(
+            self._store, self._backend, job, task_id, request.tail_lines
+        ):
+            yield _response(job_id, task_id, chunk)
+
+    async def _follow(
+        self, request: log_service_pb2.ReadLogsRequest
+    ) -> AsyncIterator[log_service_pb2.ReadLogsResponse]:
+        """The logs now and as they grow, until the job (or the one task asked for) is over."""
+        job_id = request.job_id
         tracker = JobTracker(
             self._directory,
             job_id,
@@ -146,6 +161,14 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
                 handle = ClusterHandle.from_json(request.handle_json)
             except (ValueError, KeyError, TypeError) as exc:
                 raise InvalidArgument(f"handle_json: {exc}", field="handle_json") from exc
+            if not isinstance(handle.cluster_name, str) or not handle.cluster_name:
+                raise InvalidArgument("handle_json has no cluster_name", field="handle_json")
+            if handle.backend != self._backend.name:
+                raise InvalidArgument(
+                    f"handle_json is a {handle.backend!r} handle; this service runs "
+                    f"the {self._backend.name!r} backend",
+                    field="handle_json",
+                )
             if request.cluster_name and request.cluster_name != handle.cluster_name:
                 raise InvalidArgument(
                     "cluster_name differs from handle_json's cluster_name", field="cluster_name"
@@ -169,13 +192,6 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
         for job_id, lines in by_job.items():
             self._store.append_controller_lines(job_id, lines)
         return log_service_pb2.AppendControllerLogsResponse()
-
-
-def _check_read(request: log_service_pb2.ReadLogsRequest) -> None:
-    if request.job_id <= 0:
-        raise InvalidArgument("job_id must be positive", field="job_id")
-    if request.tail_lines < 0:
-        raise InvalidArgument("tail_lines must not be negative", field="tail_lines")
 
 
 def _task_index(request: log_service_pb2.ReadLogsRequest, job: job_pb2.Job) -> int:

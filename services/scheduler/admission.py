@@ -1,16 +1,19 @@
 """Admission: who may start, who may launch, and on which replica (SPEC §5).
 
-`launching` counts jobs in LAUNCHING, `alive` jobs in LAUNCHING, ALIVE or
-ALIVE_WAITING, per replica and in total. The counters live in memory, change
-only through `apply` (fed by the store's conditional updates, which are the
-truth), and are rebuilt from the database at start.
+The scheduler keeps, in memory, how many jobs each replica (or nobody) holds in
+each schedule state. `launching` is the LAUNCHING count, `alive` the LAUNCHING,
+ALIVE and ALIVE_WAITING counts together, per replica and in total. The counts
+change only through `apply` (fed by the store's conditional updates, which are
+the truth) and `record`, and are rebuilt from a recount of the database at start.
 
 A scheduling pass runs whenever something may have freed or needed a slot; the
-kicks coalesce, so a burst of changes costs one pass, and nothing polls.
+kicks coalesce, so a burst of changes costs one pass, and nothing polls. The
+counts tell a pass where there is work, so an idle pass touches no database.
 Order: ALIVE_WAITING before WAITING, each by priority then submission. An
 ALIVE_WAITING job launches when its replica has launching < launch limit; a
 WAITING job also needs a replica with alive < job limit, and goes to the one
-with the most spare room.
+with the most spare room. Jobs whose replica died ("orphans") are placed before
+any new job.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ALIVE_STATES, ScheduleState
 from services.scheduler.store import Move, Store
@@ -28,10 +32,11 @@ from services.scheduler.store import Move, Store
 log = logging.getLogger(__name__)
 
 St = ScheduleState
-BATCH = 256
+BATCH = 512
+Key = tuple[str | None, ScheduleState]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Slots:
     launching: int = 0
     alive: int = 0
@@ -57,12 +62,17 @@ class ReplicaInfo:
 Send = Callable[[str, pb.ConnectControllerResponse], bool]
 
 
+def live_counts(counts: Counter[Key]) -> Counter[Key]:
+    """The counts without DONE jobs and zero entries (what admission keeps)."""
+    return Counter({k: n for k, n in counts.items() if n and k[1] != St.DONE})
+
+
 class Admission:
     def __init__(self, store: Store, limits: Limits, send: Send) -> None:
         self.store = store
         self.limits = limits
         self._send = send
-        self.slots: dict[str | None, Slots] = {}
+        self.counts: Counter[Key] = Counter()
         self.replicas: dict[str, ReplicaInfo] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -71,31 +81,35 @@ class Admission:
     # --- counters ------------------------------------------------------------------------
 
     async def rebuild(self) -> None:
-        """Counters from a recount of the database."""
-        self.slots = counters_from(await self.store.recount())
+        """Counts from a recount of the database."""
+        self.counts = live_counts(await self.store.recount())
 
     def apply(self, move: Move | None) -> None:
         if move is None:
             return
-        if move.old in ALIVE_STATES:
-            before = self.slots.setdefault(move.old_controller, Slots())
-            before.alive -= 1
-            before.launching -= move.old == St.LAUNCHING
-        if move.new in ALIVE_STATES:
-            after = self.slots.setdefault(move.new_controller, Slots())
-            after.alive += 1
-            after.launching += move.new == St.LAUNCHING
+        self.record(move.old_controller, move.old, -1)
+        self.record(move.new_controller, move.new, +1)
+
+    def record(self, controller_id: str | None, state: ScheduleState, delta: int) -> None:
+        """Counts jobs entering (+) or leaving (-) a state outside of a Move (submit, cancel)."""
+        if state != St.DONE:
+            self.counts[(controller_id, state)] += delta
 
     def applied(self, moves: Iterable[Move | None]) -> None:
         for move in moves:
             self.apply(move)
         self.kick()
 
+    def slots(self, controller_id: str | None) -> Slots:
+        c = self.counts
+        launching = c[(controller_id, St.LAUNCHING)]
+        alive = launching + c[(controller_id, St.ALIVE)] + c[(controller_id, St.ALIVE_WAITING)]
+        return Slots(launching, alive)
+
     def totals(self) -> Slots:
-        return Slots(
-            launching=sum(s.launching for s in self.slots.values()),
-            alive=sum(s.alive for s in self.slots.values()),
-        )
+        launching = sum(n for (_, s), n in self.counts.items() if s == St.LAUNCHING)
+        alive = sum(n for (_, s), n in self.counts.items() if s in ALIVE_STATES)
+        return Slots(launching, alive)
 
     def limit_launches(self, replica: ReplicaInfo) -> int:
         return self.limits.replica_launches or replica.capacity.max_launches
@@ -147,107 +161,108 @@ class Admission:
 
     async def _grant_alive_waiting(self) -> None:
         for replica in list(self.replicas.values()):
-            slots = self.slots.setdefault(replica.controller_id, Slots())
-            room = min(self.limit_launches(replica) - slots.launching, self._global_launch_room())
+            cid = replica.controller_id
+            if not self.counts[(cid, St.ALIVE_WAITING)]:
+                continue
+            room = min(
+                self.limit_launches(replica) - self.slots(cid).launching,
+                self._global_launch_room(),
+            )
             if room <= 0:
                 continue
-            for row in await self.store.queued(St.ALIVE_WAITING, replica.controller_id, room):
-                move = await self.store.move(
-                    row.id,
-                    [St.ALIVE_WAITING],
-                    St.LAUNCHING,
-                    epoch=row.epoch,
-                    controller_id=replica.controller_id,
-                    wait_reason="",
-                    message="launch slot granted",
-                )
+            rows = await self.store.queued(St.ALIVE_WAITING, cid, min(room, BATCH))
+            moves, _ = await self.store.move_many(
+                [row.id for row in rows],
+                St.ALIVE_WAITING,
+                St.LAUNCHING,
+                controller_id=cid,
+                message="launch slot granted",
+            )
+            for move in moves:
                 self.apply(move)
-                if move is not None:
-                    self._send(
-                        replica.controller_id,
-                        pb.ConnectControllerResponse(
-                            launch_slot_grant=pb.LaunchSlotGrant(job_id=row.id, epoch=row.epoch)
-                        ),
-                    )
+                self._send(
+                    cid,
+                    pb.ConnectControllerResponse(
+                        launch_slot_grant=pb.LaunchSlotGrant(job_id=move.job_id, epoch=move.epoch)
+                    ),
+                )
 
-    def _best_replica(self, need_launch_room: bool) -> ReplicaInfo | None:
-        """The non-draining replica with the most room for one more job, if any has room."""
+    def _best_replica(
+        self, need_launch_room: bool, pending: Counter[str] | None = None
+    ) -> ReplicaInfo | None:
+        """The non-draining replica with the most room for one more job, if any has room.
+
+        `pending` counts jobs already planned for each replica in this pass.
+        """
         best: ReplicaInfo | None = None
         best_room = 0
         for replica in self.replicas.values():
             if replica.draining:
                 continue
-            slots = self.slots.setdefault(replica.controller_id, Slots())
-            room = self.limit_jobs(replica) - slots.alive
+            slots = self.slots(replica.controller_id)
+            planned = pending[replica.controller_id] if pending else 0
+            room = self.limit_jobs(replica) - slots.alive - planned
             if need_launch_room:
-                room = min(room, self.limit_launches(replica) - slots.launching)
+                room = min(room, self.limit_launches(replica) - slots.launching - planned)
             if room > best_room:
                 best, best_room = replica, room
         return best
+
+    def _orphans(self) -> int:
+        return sum(self.counts[(None, s)] for s in ALIVE_STATES)
 
     async def _place_orphans(self) -> None:
         """Jobs whose replica died go to the replica with the most job room, before any
         new job: they were admitted already. They hold no launch slot (the store freed
         it), so only the job limit applies."""
-        while True:
-            if self._best_replica(need_launch_room=False) is None:
-                return
+        while self._orphans() and self._best_replica(need_launch_room=False) is not None:
             rows = await self.store.orphans(BATCH)
-            if not rows:
-                return
+            plan: dict[tuple[str, ScheduleState], list[int]] = {}
+            pending: Counter[str] = Counter()
             for row in rows:
-                replica = self._best_replica(need_launch_room=False)
+                replica = self._best_replica(need_launch_room=False, pending=pending)
                 if replica is None:
-                    return
-                state = row.schedule_state
-                move = await self.store.move(
-                    row.id,
-                    [state],
-                    state,
-                    epoch=row.epoch,
-                    assign_to=replica.controller_id,
-                    message=f"resumed on {replica.controller_id}",
+                    break
+                pending[replica.controller_id] += 1
+                plan.setdefault((replica.controller_id, row.schedule_state), []).append(row.id)
+            for (cid, state), ids in plan.items():
+                moves, jobs = await self.store.move_many(
+                    ids, state, state, assign_to=cid, message=f"resumed on {cid}", fetch=True
                 )
-                self.apply(move)
-                if move is not None:
-                    await self._assign(replica.controller_id, row.id, move.epoch, granted=False)
+                self._assign(cid, moves, jobs, granted=False)
+            if not rows or sum(pending.values()) < len(rows):
+                return
 
     async def _admit_waiting(self) -> None:
-        while True:
+        while self.counts[(None, St.WAITING)]:
             room = min(self._global_launch_room(), self._global_job_room())
             if room <= 0 or self._best_replica(need_launch_room=True) is None:
                 return
             rows = await self.store.queued(St.WAITING, None, min(room, BATCH))
-            if not rows:
-                return
+            plan: dict[str, list[int]] = {}
+            pending: Counter[str] = Counter()
             for row in rows:
-                if self._global_launch_room() <= 0 or self._global_job_room() <= 0:
-                    return
-                replica = self._best_replica(need_launch_room=True)
+                replica = self._best_replica(need_launch_room=True, pending=pending)
                 if replica is None:
-                    return
-                move = await self.store.move(
-                    row.id,
-                    [St.WAITING],
-                    St.LAUNCHING,
-                    assign_to=replica.controller_id,
-                    wait_reason="",
-                    message=f"admitted on {replica.controller_id}",
-                )
-                self.apply(move)
-                if move is not None:
-                    await self._assign(replica.controller_id, row.id, move.epoch, granted=True)
+                    break
+                pending[replica.controller_id] += 1
+                plan.setdefault(replica.controller_id, []).append(row.id)
+            for cid, ids in plan.items():
+                moves, jobs = await self.store.move_many(
+                    ids, St.WAITING, St.LAUNCHING, assign_to=cid, message=f"admitted on {cid}",
+                    fetch=True,
+                )  # fmt: skip
+                self._assign(cid, moves, jobs, granted=True)
+            if not rows or sum(pending.values()) < len(rows):
+                return
 
-    async def _assign(self, controller_id: str, job_id: int, epoch: int, granted: bool) -> None:
-        job = await self.store.get_job(job_id, with_specs=True)
-        if job is None:
-            return
-        self._send(
-            controller_id,
-            pb.ConnectControllerResponse(
-                assignment=pb.JobAssignment(job=job, epoch=epoch, launch_granted=granted)
-            ),
-        )
+    def _assign(self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool) -> None:
+        epochs = {m.job_id: m.epoch for m in moves}
+        for move in moves:
+            self.apply(move)
+        for job in jobs:
+            assignment = pb.JobAssignment(job=job, epoch=epochs[job.job_id], launch_granted=granted)
+            self._send(cid, pb.ConnectControllerResponse(assignment=assignment))
 
     def state(self) -> pb.GetSchedulerStateResponse:
         totals = self.totals()
@@ -257,17 +272,6 @@ class Admission:
             ),
             launching=totals.launching,
             alive=totals.alive,
+            waiting=self.counts[(None, St.WAITING)],
+            alive_waiting=sum(n for (_, s), n in self.counts.items() if s == St.ALIVE_WAITING),
         )
-
-
-def counters_from(counts: Counter[tuple[str | None, ScheduleState]]) -> dict[str | None, Slots]:
-    slots: dict[str | None, Slots] = {}
-    for (controller, state), n in counts.items():
-        if state in ALIVE_STATES:
-            entry = slots.setdefault(controller, Slots())
-            entry.alive += n
-            entry.launching += n if state == St.LAUNCHING else 0
-    return slots
-
-
-__all__ = ["Admission", "Limits", "ReplicaInfo", "Slots", "counters_from"]

@@ -16,9 +16,10 @@ import grpc
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2
 from services.common.errors import InvalidArgument, NotFound, rpc_errors
-from services.common.statuses import JobStatus
+from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
 from services.scheduler.events import EventBus
+from services.scheduler.intake import Intake
 from services.scheduler.replicas import Replicas
 from services.scheduler.spec import SpecError, parse_job_spec
 from services.scheduler.store import NewJob, Store
@@ -62,6 +63,11 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         self.bus = bus
         self.admission = admission
         self.replicas = replicas
+        self.intake = Intake(store, self._submitted)
+
+    def _submitted(self, created: int) -> None:
+        self.admission.record(None, ScheduleState.WAITING, created)
+        self.admission.kick()
 
     @rpc_errors
     async def SubmitJob(
@@ -80,7 +86,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             )
         except SpecError as error:
             raise InvalidArgument(str(error), field=error.field) from None
-        job_id, _ = await self.store.submit(
+        job_id, _ = await self.intake.submit(
             NewJob(
                 name=spec.name,
                 user=user,
@@ -90,7 +96,6 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 tasks=spec.tasks,
             )
         )
-        self.admission.kick()
         return pb.SubmitJobResponse(job_id=job_id)
 
     @rpc_errors
@@ -153,7 +158,9 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         cancelled = [job_id for job_id, _ in targets]
         live = []
         for job_id in cancelled:
-            if not await self.store.cancel_unstarted(job_id):
+            if await self.store.cancel_unstarted(job_id):
+                self.admission.record(None, ScheduleState.WAITING, -1)
+            else:
                 live.append(job_id)
         for job_id, controller_id, epoch in await self.store.request_cancel(live):
             if controller_id is not None:

@@ -57,7 +57,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _sqlite_engine(url: str, begin: str) -> AsyncEngine:
-    engine = create_async_engine(url, connect_args={"timeout": 10})
+    # No reset-on-return ROLLBACK: every session ends its own transaction, and with
+    # aiosqlite each statement is a thread hop worth saving.
+    engine = create_async_engine(url, connect_args={"timeout": 10}, pool_reset_on_return=None)
     event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
 
     @event.listens_for(engine.sync_engine, "begin")

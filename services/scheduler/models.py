@@ -21,7 +21,7 @@ from sqlalchemy import (
     Text,
     UniqueConstraint,
 )
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, orm_insert_sentinel
 
 from services.common.statuses import JobStatus, ScheduleState
 
@@ -69,6 +69,8 @@ class JobRow(Base):
     submit_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     start_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Lets one multi-row INSERT ... RETURNING hand back ids in submission order (SQLite).
+    _sentinel: Mapped[int | None] = orm_insert_sentinel()
 
 
 class TaskRow(Base):
@@ -105,3 +107,4 @@ class EventRow(Base):
     message: Mapped[str] = mapped_column(Text, default="")
     # The assignment epoch that wrote it (0 for the scheduler's own changes).
     epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    _sentinel: Mapped[int | None] = orm_insert_sentinel()

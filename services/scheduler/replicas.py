@@ -331,19 +331,16 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self, request: pb.GetSchedulerStateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetSchedulerStateResponse:
         state = self.admission.state()
-        counts = await self.store.recount()
-        state.waiting = sum(n for (_, s), n in counts.items() if s == St.WAITING)
-        state.alive_waiting = sum(n for (_, s), n in counts.items() if s == St.ALIVE_WAITING)
         for cid, session in sorted(self.sessions.items()):
             info = self.admission.replicas.get(cid)
-            slots = self.admission.slots.get(cid)
+            slots = self.admission.slots(cid)
             replica = pb.ReplicaState(
                 controller_id=cid,
                 address=session.address,
                 connected=session.connected,
                 draining=session.draining,
-                launching=slots.launching if slots else 0,
-                alive=slots.alive if slots else 0,
+                launching=slots.launching,
+                alive=slots.alive,
             )
             if info is not None:
                 replica.capacity.CopyFrom(info.capacity)

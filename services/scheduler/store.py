@@ -16,7 +16,7 @@ import datetime as dt
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -89,60 +89,93 @@ class Store:
 
     async def submit(self, job: NewJob) -> tuple[int, bool]:
         """Stores a job with its tasks and first event; returns (job_id, created)."""
-        key = job.idempotency_key or None
-        if key is not None:
-            existing = await self._by_key(job.user, key)
-            if existing is not None:
-                return existing, False
-        now = self.clock()
+        return (await self.submit_many([job]))[0]
+
+    async def submit_many(self, jobs: Sequence[NewJob]) -> list[tuple[int, bool]]:
+        """Stores jobs in one transaction (group commit); (job_id, created) for each.
+
+        A job whose (user, idempotency key) was seen before, in the database or
+        earlier in the same batch, is not stored again: its answer is the first id.
+        """
         try:
-            async with self.db.write() as session:
-                row = JobRow(
-                    name=job.name,
-                    user=job.user,
-                    priority=job.priority,
-                    pool=job.pool,
-                    idempotency_key=key,
-                    status=S.PENDING,
-                    schedule_state=schedule_transition(St.INACTIVE, St.WAITING),
-                    current_task=0,
-                    num_tasks=len(job.tasks),
-                    epoch=0,
-                    cancel_requested=False,
-                    recovery_count=0,
-                    failure_reason="",
-                    wait_reason="waiting for a launch slot",
-                    submit_time=now,
-                )
-                session.add(row)
-                await session.flush()
-                for index, spec in enumerate(job.tasks):
-                    session.add(
-                        TaskRow(
-                            job_id=row.id,
-                            task_id=index,
-                            name=spec.name,
-                            status=S.PENDING,
-                            spec=spec.SerializeToString(),
-                            resources=resources_summary(spec),
-                            cluster_name="",
-                            region="",
-                            recovery_count=0,
-                            restart_count=0,
-                            failure_reason="",
-                        )
-                    )
-                event = self._event(session, row, 0, "submitted", now)
-                await session.flush()
+            return await self._submit_many(jobs)
         except IntegrityError:
-            if key is None:
+            if len(jobs) == 1:
                 raise
-            existing = await self._by_key(job.user, key)
-            if existing is None:
-                raise
-            return existing, False
-        self.bus.publish([convert.event_message(event)])
-        return row.id, True
+            # Another writer took a key meanwhile: redo one by one, each re-checking.
+            return [(await self._submit_many([job]))[0] for job in jobs]
+
+    async def _submit_many(self, jobs: Sequence[NewJob]) -> list[tuple[int, bool]]:
+        now = self.clock()
+        answers: list[tuple[int, bool] | None] = [None] * len(jobs)
+        keys = {job.idempotency_key for job in jobs if job.idempotency_key}
+        async with self.db.write() as session:
+            existing: dict[tuple[str, str], int] = {}
+            if keys:
+                rows = await session.execute(
+                    select(JobRow.id, JobRow.user, JobRow.idempotency_key).where(
+                        JobRow.idempotency_key.in_(keys)
+                    )
+                )
+                existing = {(u, k or ""): int(i) for i, u, k in rows.all()}
+            fresh: list[int] = []
+            repeats: list[tuple[int, int]] = []
+            first_in_batch: dict[tuple[str, str], int] = {}
+            for index, job in enumerate(jobs):
+                key = (job.user, job.idempotency_key)
+                if job.idempotency_key and key in existing:
+                    answers[index] = (existing[key], False)
+                elif job.idempotency_key and key in first_in_batch:
+                    repeats.append((index, first_in_batch[key]))
+                else:
+                    if job.idempotency_key:
+                        first_in_batch[key] = index
+                    fresh.append(index)
+            events: list[job_pb2.JobEvent] = []
+            if fresh:
+                state = schedule_transition(St.INACTIVE, St.WAITING)
+                ids = (
+                    await session.scalars(
+                        insert(JobRow).returning(JobRow.id, sort_by_parameter_order=True),
+                        [_job_values(jobs[i], state, now) for i in fresh],
+                    )
+                ).all()
+                await session.execute(
+                    insert(TaskRow),
+                    [
+                        _task_values(job_id, task_id, spec)
+                        for job_id, i in zip(ids, fresh, strict=True)
+                        for task_id, spec in enumerate(jobs[i].tasks)
+                    ],
+                )
+                event_values = [
+                    {
+                        "job_id": job_id,
+                        "task_id": 0,
+                        "status": S.PENDING,
+                        "schedule_state": state,
+                        "time": now,
+                        "message": "submitted",
+                        "epoch": 0,
+                    }
+                    for job_id in ids
+                ]
+                event_ids = (
+                    await session.scalars(
+                        insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True),
+                        event_values,
+                    )
+                ).all()
+                for event_id, values in zip(event_ids, event_values, strict=True):
+                    events.append(convert.event_message(EventRow(id=event_id, **values)))
+                for job_id, i in zip(ids, fresh, strict=True):
+                    answers[i] = (int(job_id), True)
+        for index, first in repeats:
+            first_answer = answers[first]
+            assert first_answer is not None
+            answers[index] = (first_answer[0], False)
+        self.bus.publish(events)
+        return [a for a in answers if a is not None]
 
     async def _by_key(self, user: str, key: str) -> int | None:
         async with self.db.read() as session:
@@ -291,6 +324,85 @@ class Store:
             await session.flush()
         self.bus.publish([convert.event_message(event)])
         return Move(job_id, prior[1], changed[0], int(changed[1]), prior[0], new)
+
+    async def move_many(
+        self,
+        job_ids: Sequence[int],
+        old: ScheduleState,
+        new: ScheduleState,
+        *,
+        controller_id: str | None = None,
+        assign_to: str | None = None,
+        message: str = "",
+        fetch: bool = False,
+    ) -> tuple[list[Move], list[job_pb2.Job]]:
+        """Moves many jobs from `old` to `new` in one conditional UPDATE (admission batches).
+
+        Only jobs still in `old` (and held by `controller_id`, when given) move;
+        `assign_to` hands them to that replica with the next epoch. With `fetch`,
+        the moved jobs (with their task specs) are read in the same transaction.
+        """
+        if not job_ids:
+            return [], []
+        schedule_transition(old, new)
+        now = self.clock()
+        values: dict[str, object] = {"schedule_state": new, "wait_reason": ""}
+        if assign_to is not None:
+            values["controller_id"] = assign_to
+            values["epoch"] = JobRow.epoch + 1
+        query = update(JobRow).where(JobRow.id.in_(list(job_ids)), JobRow.schedule_state == old)
+        if controller_id is not None:
+            query = query.where(JobRow.controller_id == controller_id)
+        query = query.values(**values).returning(
+            JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task
+        )
+        async with self.db.write() as session:
+            rows = (
+                await session.execute(query, execution_options={"synchronize_session": False})
+            ).all()
+            event_values = [
+                {
+                    "job_id": job_id,
+                    "task_id": task,
+                    "status": status,
+                    "schedule_state": new,
+                    "time": now,
+                    "message": message or new.name,
+                    "epoch": 0,
+                }
+                for job_id, _, status, task in rows
+            ]
+            event_ids = (
+                (
+                    await session.scalars(
+                        insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True),
+                        event_values,
+                    )
+                ).all()
+                if rows
+                else []
+            )
+            jobs: list[job_pb2.Job] = []
+            if fetch and rows:
+                moved = [int(r[0]) for r in rows]
+                found = await session.scalars(select(JobRow).where(JobRow.id.in_(moved)))
+                tasks = await self._tasks(session, moved)
+                jobs = [convert.job_message(r, tasks.get(r.id, []), True) for r in found]
+        self.bus.publish(
+            convert.event_message(EventRow(id=i, **v))
+            for i, v in zip(event_ids, event_values, strict=True)
+        )
+        moves = [
+            Move(int(job_id), controller_id, assign_to or controller_id, int(epoch), old, new)
+            for job_id, epoch, _, _ in rows
+        ]
+        return moves, jobs
+
+    async def get_jobs(self, job_ids: Sequence[int], with_specs: bool = False) -> list[job_pb2.Job]:
+        async with self.db.read() as session:
+            rows = list(await session.scalars(select(JobRow).where(JobRow.id.in_(list(job_ids)))))
+            tasks = await self._tasks(session, [r.id for r in rows])
+            return [convert.job_message(r, tasks.get(r.id, []), with_specs) for r in rows]
 
     async def release_replica(
         self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
@@ -528,6 +640,42 @@ class Store:
 
 
 ALIVE_LIST = (St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING)
+
+
+def _job_values(job: NewJob, state: ScheduleState, now: dt.datetime) -> dict[str, object]:
+    return {
+        "name": job.name,
+        "user": job.user,
+        "priority": job.priority,
+        "pool": job.pool,
+        "idempotency_key": job.idempotency_key or None,
+        "status": S.PENDING,
+        "schedule_state": state,
+        "current_task": 0,
+        "num_tasks": len(job.tasks),
+        "epoch": 0,
+        "cancel_requested": False,
+        "recovery_count": 0,
+        "failure_reason": "",
+        "wait_reason": "",
+        "submit_time": now,
+    }
+
+
+def _task_values(job_id: int, task_id: int, spec: job_pb2.TaskSpec) -> dict[str, object]:
+    return {
+        "job_id": job_id,
+        "task_id": task_id,
+        "name": spec.name,
+        "status": S.PENDING,
+        "spec": spec.SerializeToString(),
+        "resources": resources_summary(spec),
+        "cluster_name": "",
+        "region": "",
+        "recovery_count": 0,
+        "restart_count": 0,
+        "failure_reason": "",
+    }
 
 
 def _allowed(old: ScheduleState, new: ScheduleState) -> bool:

@@ -1,0 +1,192 @@
+"""Admission throughput and latency through gRPC, on SQLite and on PostgreSQL.
+
+Starts `mj-scheduler` as a process, connects one benchmark replica over
+ConnectController (a real stream client with ample capacity that records when
+each assignment arrives), then measures:
+- sustained submissions per second over N jobs from concurrent clients;
+- submit -> launch-granted latency (the assignment reaching the replica) p50/p99,
+  submitting one job at a time with spare capacity.
+Prints one JSON line per database. Targets (SPEC §15): >= 2,000/s, p99 <= 50 ms.
+
+    .venv/bin/python bench/admission.py [--jobs 5000] [--latency-jobs 300] [--postgres URL]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from managedjobs.v1 import job_service_pb2 as jpb
+from managedjobs.v1 import (
+    job_service_pb2_grpc,
+    scheduler_service_pb2_grpc,
+)
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.stack import free_port, wait_serving
+
+SPEC = "name: bench\nrun: echo hi\n"
+
+
+class BenchReplica:
+    """A replica that only records when assignments arrive."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.assigned: dict[int, float] = {}
+        self.waiters: dict[int, asyncio.Future[float]] = {}
+        self.ready = asyncio.Event()
+        self.target = 0
+        self.reached = asyncio.Event()
+
+    async def run(self) -> None:
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+
+            async def requests():  # type: ignore[no-untyped-def]
+                yield pb.ConnectControllerRequest(
+                    seq=1,
+                    hello=pb.ControllerHello(
+                        controller_id="bench-replica",
+                        capacity=pb.Capacity(max_launches=1_000_000, max_jobs=1_000_000),
+                    ),
+                )
+                while True:
+                    await asyncio.sleep(1)
+                    yield pb.ConnectControllerRequest(heartbeat=pb.ControllerHeartbeat())
+
+            async for message in stub.ConnectController(requests()):
+                kind = message.WhichOneof("message")
+                if kind == "welcome":
+                    self.ready.set()
+                elif kind == "assignment":
+                    job_id = message.assignment.job.job_id
+                    now = time.perf_counter()
+                    self.assigned[job_id] = now
+                    waiter = self.waiters.pop(job_id, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(now)
+                    if self.target and len(self.assigned) >= self.target:
+                        self.reached.set()
+
+
+async def measure(address: str, jobs: int, latency_jobs: int, concurrency: int) -> dict[str, float]:
+    replica = BenchReplica(address)
+    replica_task = asyncio.create_task(replica.run())
+    await asyncio.wait_for(replica.ready.wait(), 10)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        # Latency: one job at a time, spare capacity.
+        latencies = []
+        loop = asyncio.get_running_loop()
+        for _ in range(latency_jobs):
+            start = time.perf_counter()
+            reply = await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=SPEC, user="bench"))
+            if reply.job_id in replica.assigned:
+                granted = replica.assigned[reply.job_id]
+            else:
+                future: asyncio.Future[float] = loop.create_future()
+                replica.waiters[reply.job_id] = future
+                granted = await asyncio.wait_for(future, 10)
+            latencies.append((granted - start) * 1000)
+        # Throughput: concurrent submitters.
+        counter = iter(range(jobs))
+
+        async def submitter() -> None:
+            for i in counter:
+                await stub.SubmitJob(
+                    jpb.SubmitJobRequest(spec_yaml=SPEC, user="bench", idempotency_key=f"k{i}")
+                )
+
+        before = len(replica.assigned)
+        replica.target = before + jobs
+        start = time.perf_counter()
+        await asyncio.gather(*(submitter() for _ in range(concurrency)))
+        submit_seconds = time.perf_counter() - start
+        await asyncio.wait_for(replica.reached.wait(), 120)
+        all_seconds = time.perf_counter() - start
+    replica_task.cancel()
+    latencies.sort()
+    return {
+        "submissions_per_s": round(jobs / submit_seconds, 1),
+        "admitted_per_s": round((len(replica.assigned) - before) / all_seconds, 1),
+        "grant_latency_p50_ms": round(statistics.median(latencies), 2),
+        "grant_latency_p99_ms": round(latencies[int(len(latencies) * 0.99) - 1], 2),
+    }
+
+
+def run_scheduler(database_url: str, data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    with (Path(data_dir) / "scheduler.log").open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.scheduler.main", "--port", str(port),
+             "--data-dir", data_dir, "--database-url", database_url, "--log-level", "WARNING"],
+            stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    wait_serving(address, 60)
+    return process, address
+
+
+def postgres_database(admin_url: str) -> tuple[str, str]:
+    import asyncpg
+
+    name = f"mj_bench_{uuid.uuid4().hex[:8]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(admin_url)
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        await conn.close()
+
+    asyncio.run(create())
+    return admin_url.rsplit("/", 1)[0] + "/" + name, name
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=5000)
+    parser.add_argument("--latency-jobs", type=int, default=300)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--only", choices=["sqlite", "postgres"])
+    args = parser.parse_args()
+    machine = {
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    for kind in ["sqlite", "postgres"]:
+        if args.only and kind != args.only:
+            continue
+        with tempfile.TemporaryDirectory() as data_dir:
+            if kind == "sqlite":
+                url = f"sqlite:///{data_dir}/bench.db"
+            else:
+                url, _ = postgres_database(args.postgres)
+            process, address = run_scheduler(url, data_dir)
+            try:
+                figures = asyncio.run(
+                    measure(address, args.jobs, args.latency_jobs, args.concurrency)
+                )
+            finally:
+                process.terminate()
+                process.wait(30)
+        print(json.dumps({"bench": "admission", "database": kind, "jobs": args.jobs,
+                          **figures, "machine": machine}), flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

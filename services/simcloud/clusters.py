@@ -1,0 +1,207 @@
+"""Clusters of the sim cloud: statuses, the task a cluster runs, and its log.
+
+A `Cluster` is one launch: a small `__slots__` record that is also its own
+inventory entry, kept after it ends. Names are reused across a task's attempts;
+`cluster_id` never is.
+
+A cluster goes INIT -> UP after the launch latency; its task then goes
+SETTING_UP for `setup_seconds` (when it has setup), RUNNING for
+`runtime_seconds`, and ends SUCCEEDED (exit code 0), FAILED (non-zero exit code)
+or FAILED_SETUP (non-zero setup exit code, and the run never starts). A
+preempted cluster goes DOWN: it frees its capacity and its task becomes
+unreadable. A terminated one is TERMINATED: gone, log included.
+
+The log is computed, never stored: line i of n is emitted at
+`run_start + runtime * i / n` on every node (prefixed `(rank=r) ` when there are
+several, as the local backend does), so a read at any instant returns a prefix
+of every later read, and a follower sees the same bytes as a reader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import math
+
+
+class ClusterState(enum.IntEnum):
+    """Mirrors simcloud.v1.ClusterStatus."""
+
+    INIT = 1
+    UP = 2
+    DOWN = 3
+    TERMINATED = 4
+
+
+class TaskState(enum.IntEnum):
+    """Mirrors simcloud.v1.TaskStatus."""
+
+    PENDING = 1
+    SETTING_UP = 2
+    RUNNING = 3
+    SUCCEEDED = 4
+    FAILED = 5
+    FAILED_SETUP = 6
+
+
+HOLDS_CAPACITY = frozenset({ClusterState.INIT, ClusterState.UP})
+TASK_FINISHED = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.FAILED_SETUP})
+
+DEFAULT_RUNTIME_SECONDS = 1.0
+
+
+class TaskPlan:
+    """How a cluster's task behaves (the spec's `sim` key); see TaskBehavior in the proto.
+
+    Defaults without a `sim` key: no setup phase unless the task has a `setup`,
+    setup 0 s, runtime 1 simulated second, exit code 0, one log line
+    "<cluster_name>: running", no scripted preemption.
+    """
+
+    __slots__ = (
+        "exit_code",
+        "has_setup",
+        "log_lines",
+        "preempt_after",
+        "runtime",
+        "setup_exit_code",
+        "setup_seconds",
+    )
+
+    def __init__(
+        self,
+        runtime: float = DEFAULT_RUNTIME_SECONDS,
+        setup_seconds: float = 0.0,
+        has_setup: bool = False,
+        exit_code: int = 0,
+        setup_exit_code: int = 0,
+        log_lines: tuple[str, ...] | None = None,
+        preempt_after: float | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.setup_seconds = setup_seconds
+        self.has_setup = has_setup or setup_seconds > 0 or setup_exit_code != 0
+        self.exit_code = exit_code
+        self.setup_exit_code = setup_exit_code
+        self.log_lines = log_lines
+        self.preempt_after = preempt_after
+
+
+class Cluster:
+    """One launch, live or ended; also its inventory record."""
+
+    __slots__ = (
+        "cluster_id",
+        "epoch",
+        "exit_code",
+        "job_id",
+        "launch_time",
+        "name",
+        "num_nodes",
+        "plan",
+        "preempt_time",
+        "preempted",
+        "region",
+        "replaced",
+        "run_start",
+        "spot",
+        "status",
+        "task_end_time",
+        "task_id",
+        "task_status",
+        "terminate_time",
+        "up_time",
+        "waiter",
+        "zone",
+    )
+
+    def __init__(
+        self,
+        cluster_id: int,
+        name: str,
+        job_id: int,
+        task_id: int,
+        epoch: int,
+        region: str,
+        zone: str,
+        spot: bool,
+        num_nodes: int,
+        plan: TaskPlan,
+        launch_time: float,
+    ) -> None:
+        self.cluster_id = cluster_id
+        self.name = name
+        self.job_id = job_id
+        self.task_id = task_id
+        self.epoch = epoch
+        self.region = region
+        self.zone = zone
+        self.spot = spot
+        self.num_nodes = num_nodes
+        self.plan = plan
+        self.status = ClusterState.INIT
+        self.task_status = TaskState.PENDING
+        self.exit_code = 0
+        self.launch_time = launch_time
+        self.up_time: float | None = None
+        self.run_start: float | None = None
+        self.task_end_time: float | None = None
+        self.preempt_time: float | None = None
+        self.terminate_time: float | None = None
+        self.preempted = False
+        self.replaced = False
+        # Resolved when the launch completes or fails; the Launch RPC awaits it.
+        self.waiter: asyncio.Future[None] | None = None
+
+    @property
+    def live(self) -> bool:
+        """INIT or UP: holding capacity."""
+        return self.status in HOLDS_CAPACITY
+
+    @property
+    def end_time(self) -> float:
+        """When it stopped being live (preempted or terminated); inf while live."""
+        ends = [t for t in (self.preempt_time, self.terminate_time) if t is not None]
+        return min(ends) if ends else math.inf
+
+    # --- the log -------------------------------------------------------------------------
+
+    def lines(self) -> tuple[str, ...]:
+        plan_lines = self.plan.log_lines
+        return (f"{self.name}: running",) if plan_lines is None else plan_lines
+
+    def lines_emitted(self, now: float) -> int:
+        """How many of the task's lines (per node) exist at simulated time `now`."""
+        if self.run_start is None or self.status == ClusterState.TERMINATED:
+            return 0
+        total = len(self.lines())
+        if self.task_status in TASK_FINISHED and self.task_end_time is not None:
+            return total
+        cutoff = now if self.preempt_time is None else min(now, self.preempt_time)
+        if cutoff < self.run_start:
+            return 0
+        runtime = self.plan.runtime
+        if runtime <= 0:
+            return total
+        # The epsilon keeps a line due exactly now from rounding down to the previous one.
+        return min(total, math.floor((cutoff - self.run_start) * total / runtime + 1e-9) + 1)
+
+    def next_line_time(self, emitted: int) -> float | None:
+        """Simulated time at which line `emitted` will appear, if it ever will on this run."""
+        total = len(self.lines())
+        if self.run_start is None or emitted >= total or not self.live:
+            return None
+        return self.run_start + self.plan.runtime * emitted / total
+
+    def log_final(self) -> bool:
+        """Whether the log can no longer grow."""
+        return not self.live or self.task_status in TASK_FINISHED
+
+    def render(self, start: int, stop: int) -> bytes:
+        """Lines [start, stop) of every node, as the bytes of the log."""
+        lines = self.lines()[start:stop]
+        if self.num_nodes <= 1:
+            return "".join(f"{line}\n" for line in lines).encode()
+        return "".join(
+            f"(rank={rank}) {line}\n" for line in lines for rank in range(self.num_nodes)
+        ).encode()

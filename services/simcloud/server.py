@@ -1,0 +1,64 @@
+"""Serving a `Cloud` over gRPC in this process: both servicers plus the timer task.
+
+`mj-simcloud` (main.py) runs one until SIGTERM; tests start one on port 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
+from services.common.server import Server
+from services.simcloud.clock import Clock
+from services.simcloud.cloud import Cloud
+from services.simcloud.config import CloudConfig
+from services.simcloud.service import (
+    CLOUD_SERVICE,
+    OPERATOR_SERVICE,
+    SimCloudServicer,
+    SimOperatorServicer,
+)
+
+
+@dataclasses.dataclass
+class RunningCloud:
+    """A started sim cloud server and the task driving its timers."""
+
+    cloud: Cloud
+    server: Server
+    ticker: asyncio.Task[None]
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def stop(self, grace: float = 0.0) -> None:
+        self.ticker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.ticker
+        await self.server.stop(grace)
+
+
+async def start(
+    config: CloudConfig, host: str = "127.0.0.1", port: int = 0, clock: Clock | None = None
+) -> RunningCloud:
+    """Starts a cloud and its gRPC server (in this process; tests use port 0)."""
+    cloud = Cloud(config, clock)
+    server = Server(host, port)
+    server.add(
+        pb_grpc.add_SimCloudServiceServicer_to_server, SimCloudServicer(cloud), CLOUD_SERVICE
+    )
+    server.add(
+        pb_grpc.add_SimOperatorServiceServicer_to_server,
+        SimOperatorServicer(cloud),
+        OPERATOR_SERVICE,
+    )
+    ticker = asyncio.create_task(cloud.run(), name="simcloud-timers")
+    try:
+        await server.start()
+    except BaseException:
+        ticker.cancel()
+        raise
+    return RunningCloud(cloud, server, ticker)

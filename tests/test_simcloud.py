@@ -1,0 +1,441 @@
+"""The sim cloud: the model on a manual clock, and the service in-process through the sim backend.
+
+Model tests move simulated time by hand (`ManualClock`), so every timing is exact.
+Service tests run a real server on port 0 with a large time_scale and talk to it
+the way the control plane does, through `SimBackend`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
+from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
+from services.backends import (
+    BackendUnreachableError,
+    ClusterStatus,
+    PrecheckError,
+    ResourcesUnavailableError,
+    SimBackend,
+    TaskRequest,
+    TaskStatus,
+    make_backend,
+)
+from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
+from services.simcloud.clusters import ClusterState, TaskPlan, TaskState
+from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
+from services.simcloud.errors import NoCapacity, PrecheckFailed, PrecheckInvalid, StaleEpoch
+from services.simcloud.events import EventKind
+from services.simcloud.regions import LaunchSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+EAST, WEST, EU = "us-east-1", "us-west-2", "eu-west-1"
+
+
+def small_cloud(**changes: Any) -> CloudConfig:
+    """Three regions with room for one spot node each, except eu-west-1 with none."""
+    regions = (
+        RegionConfig(EAST, ("us-east-1a", "us-east-1b"), 1, 4, ("A100",)),
+        RegionConfig(WEST, ("us-west-2a",), 1, 4, ("A100",)),
+        RegionConfig(EU, ("eu-west-1a",), 0, 4, ("V100",)),
+    )
+    return dataclasses.replace(CloudConfig(regions=regions, launch_latency_seconds=5.0), **changes)
+
+
+def spec(name: str = "c", job: int = 1, task: int = 0, epoch: int = 1, **kw: Any) -> LaunchSpec:
+    fields: dict[str, Any] = {"use_spot": True, **kw}
+    return LaunchSpec(cluster_name=name, job_id=job, task_id=task, epoch=epoch, **fields)
+
+
+def launch_up(cloud: Cloud, s: LaunchSpec) -> tuple[str, list[str]]:
+    """Launches on a manual clock and lets the launch latency pass."""
+    cluster, tried = cloud.begin_launch(s)
+    cloud.advance(cloud.regions[cluster.region].launch_latency)
+    assert cluster.status == ClusterState.UP
+    return cluster.region, tried
+
+
+# --- config -------------------------------------------------------------------------------
+
+
+def test_example_and_default_configs_describe_three_regions() -> None:
+    example = parse_config((ROOT / "examples/simcloud.yaml").read_text())
+    assert [r.name for r in example.regions] == [EAST, WEST, EU]
+    assert [r.name for r in DEFAULT_CONFIG.regions] == [EAST, WEST, EU]
+
+
+@pytest.mark.parametrize(
+    ("text", "path"),
+    [
+        ("regions: [{name: a, zones: [a1], gpus: 1}]", "regions[0].gpus"),
+        ("time_scale: 0\nregions: [{name: a}]", "time_scale"),
+        ("regions: [{name: a, zones: [x]}, {name: b, zones: [x]}]", "regions[1]"),
+        ("regions: []", "regions"),
+    ],
+)
+def test_bad_config_names_the_field(text: str, path: str) -> None:
+    with pytest.raises(ConfigError, match=path.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(text)
+
+
+@pytest.mark.parametrize(
+    ("model", "proto", "prefix"),
+    [
+        (ClusterState, pb.ClusterStatus, "CLUSTER_STATUS_"),
+        (TaskState, pb.TaskStatus, "TASK_STATUS_"),
+        (EventKind, pb.EventKind, "EVENT_KIND_"),
+    ],
+)
+def test_model_enums_mirror_the_proto_enums(model: Any, proto: Any, prefix: str) -> None:
+    declared = {name.removeprefix(prefix): number for name, number in proto.items()}
+    declared.pop("UNSPECIFIED")
+    assert {member.name: int(member) for member in model} == declared
+
+
+def test_every_backend_takes_the_same_options(tmp_path: Path) -> None:
+    options = {"root": tmp_path, "simcloud_address": "127.0.0.1:1"}
+    assert make_backend("local", **options).name == "local"
+    sim = make_backend("sim", **options)
+    assert isinstance(sim, SimBackend) and sim.address == "127.0.0.1:1"
+    with pytest.raises(ValueError, match="simcloud_address"):
+        make_backend("sim", root=tmp_path)
+
+
+# --- the model ----------------------------------------------------------------------------
+
+
+def test_full_region_fails_over_in_order_and_records_every_region_tried() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    assert launch_up(cloud, spec("a", job=1)) == (EAST, [EAST])
+    assert launch_up(cloud, spec("b", job=2)) == (WEST, [EAST, WEST])
+    with pytest.raises(NoCapacity) as caught:
+        cloud.begin_launch(spec("c", job=3, accelerators="A100:1"))
+    assert caught.value.regions_tried == [EAST, WEST]
+    assert caught.value.metadata["regions_tried"] == f"{EAST},{WEST}"
+    # Terminating frees the node: the next launch gets us-east-1 again.
+    assert cloud.terminate("a") is True
+    assert cloud.terminate("a") is False
+    assert launch_up(cloud, spec("c", job=3)) == (EAST, [EAST])
+    # On-demand is its own pool.
+    assert launch_up(cloud, dataclasses.replace(spec("d", job=4), use_spot=False))[0] == EAST
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "text"),
+    [
+        ({"region": "mars-1"}, PrecheckFailed, "unknown region"),
+        ({"zone": "mars-1a"}, PrecheckFailed, "unknown zone"),
+        ({"region": WEST, "zone": "us-east-1a"}, PrecheckFailed, "is in us-east-1"),
+        ({"accelerators": "TPU:8"}, PrecheckFailed, "not offered"),
+        ({"cpus": "512+"}, PrecheckFailed, "more than"),
+        ({"cpus": "lots"}, PrecheckInvalid, "cpus"),
+        ({"accelerators": "A100:zero"}, PrecheckInvalid, "count"),
+        ({"cloud": "aws"}, PrecheckFailed, "unknown cloud"),
+        ({"num_nodes": 0}, PrecheckInvalid, "num_nodes"),
+        ({"cluster_name": "bad name!"}, PrecheckInvalid, "cluster name"),
+        ({"region": EAST, "blocked_regions": (EAST,)}, PrecheckFailed, "no region"),
+        ({"accelerators": "V100", "blocked_regions": (EU,)}, PrecheckFailed, "no region"),
+    ],
+)
+def test_requests_that_can_never_launch_fail_the_precheck(
+    changes: dict[str, Any], error: type[Exception], text: str
+) -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    with pytest.raises(error, match=text):
+        cloud.begin_launch(dataclasses.replace(spec(), **changes))
+    assert cloud.inventory == []
+    assert cloud.state().launches_rejected_precheck == 1
+
+
+def test_candidates_blocked_regions_and_accelerators_shape_the_order() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    s = spec(candidate_regions=(WEST, EAST))
+    assert launch_up(cloud, s) == (WEST, [WEST])
+    assert launch_up(cloud, spec("b", job=2, blocked_regions=(WEST,))) == (EAST, [EAST])
+    with pytest.raises(NoCapacity) as caught:
+        cloud.begin_launch(spec("c", job=3, accelerators="V100"))
+    assert caught.value.regions_tried == [EU]
+
+
+def test_task_runs_setup_then_run_and_every_change_is_an_event() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    plan = TaskPlan(runtime=10, setup_seconds=3, exit_code=2, log_lines=("x", "y"))
+    cluster, _ = cloud.begin_launch(spec(plan=plan))
+    assert (cluster.status, cluster.task_status) == (ClusterState.INIT, TaskState.PENDING)
+    cloud.advance(5)
+    assert (cluster.status, cluster.task_status) == (ClusterState.UP, TaskState.SETTING_UP)
+    cloud.advance(3)
+    assert cluster.task_status == TaskState.RUNNING
+    cloud.advance(10)
+    assert (cluster.task_status, cluster.exit_code, cluster.task_end_time) == (
+        TaskState.FAILED,
+        2,
+        18.0,
+    )
+    messages = [(e.cluster_status.name, e.task_status, e.message) for e in cloud.events.all()]
+    assert messages == [
+        ("INIT", None, "launching in us-east-1a"),
+        ("UP", TaskState.SETTING_UP, "up"),
+        ("UP", TaskState.RUNNING, "setup done"),
+        ("UP", TaskState.FAILED, "run exited with 2"),
+    ]
+    failing = TaskPlan(setup_exit_code=7)
+    other, _ = cloud.begin_launch(spec("s", job=2, plan=failing))
+    cloud.advance(5)
+    assert (other.task_status, other.exit_code) == (TaskState.FAILED_SETUP, 7)
+
+
+def test_log_lines_are_spread_over_the_runtime_and_cut_by_preemption() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    plan = TaskPlan(runtime=10, log_lines=("a", "b", "c", "d", "e"), preempt_after=5)
+    cluster, _ = cloud.begin_launch(spec(plan=plan))
+    cloud.advance(5)  # UP: line 0 at once, then one every 2 s
+    assert cluster.render(0, cluster.lines_emitted(cloud.clock.now())) == b"a\n"
+    cloud.advance(2)
+    assert cluster.lines_emitted(cloud.clock.now()) == 2
+    cloud.advance(3)  # preempted at UP + 5: lines at 0, 2 and 4 were written
+    assert cluster.status == ClusterState.DOWN
+    assert cluster.lines_emitted(cloud.clock.now() + 100) == 3 and cluster.log_final()
+    multi, _ = cloud.begin_launch(spec("m", job=2, num_nodes=1, plan=TaskPlan(runtime=0)))
+    assert multi.render(0, 1) == b"m: running\n"
+
+
+def test_scripted_preemption_hits_only_the_first_spot_cluster_of_a_task() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    plan = TaskPlan(runtime=100, preempt_after=10)
+    first, _ = cloud.begin_launch(spec(plan=plan))
+    cloud.advance(15)
+    assert first.status == ClusterState.DOWN and first.preempted
+    assert cloud.regions[EAST].spot_used == 0
+    second, _ = cloud.begin_launch(spec(plan=plan))
+    assert first.status == ClusterState.TERMINATED and not first.replaced
+    cloud.advance(200)
+    assert second.status == ClusterState.UP and second.task_status == TaskState.SUCCEEDED
+    on_demand, _ = cloud.begin_launch(spec("od", job=9, plan=plan, use_spot=False))
+    cloud.advance(200)
+    assert on_demand.status == ClusterState.UP
+
+
+def run_random_scenario(seed: int) -> list[tuple[object, ...]]:
+    config = small_cloud(seed=seed, preemptions_per_hour=3600.0)
+    config = dataclasses.replace(
+        config, regions=tuple(dataclasses.replace(r, spot_nodes=50) for r in config.regions)
+    )
+    cloud = Cloud(config, ManualClock())
+    for job in range(1, 21):
+        cloud.begin_launch(spec(f"c{job}", job=job, plan=TaskPlan(runtime=job % 4 + 0.5)))
+        cloud.advance(0.7)
+        if job % 5 == 0:
+            cloud.terminate(f"c{job - 1}")
+    cloud.advance(50)
+    return [event.key() for event in cloud.events.all()]
+
+
+def test_the_same_seed_gives_the_same_events() -> None:
+    first = run_random_scenario(seed=7)
+    assert first == run_random_scenario(seed=7)
+    assert any("preempted" in str(key) for key in first)
+    assert first != run_random_scenario(seed=8)
+
+
+def test_a_launch_with_a_stale_epoch_is_refused_and_counted() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    launch_up(cloud, spec(epoch=2))
+    with pytest.raises(StaleEpoch, match="stale epoch"):
+        cloud.begin_launch(spec(epoch=1))
+    assert cloud.state().stale_launches_rejected == 1
+    assert cloud.get("c").status == ClusterState.UP
+    launch_up(cloud, spec(epoch=3))
+    assert cloud.state().replaced_total == 1
+
+
+def test_inventory_counts_replacements_and_overlapping_clusters_of_a_task() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    launch_up(cloud, spec("a", job=1))
+    launch_up(cloud, spec("a", job=1))  # same name: the live one is replaced, no overlap
+    assert [c.replaced for c in cloud.inventory] == [True, False]
+    assert cloud.state().violations == 0
+    cloud.terminate("a")
+    launch_up(cloud, spec("x", job=5))
+    launch_up(cloud, spec("y", job=5))  # another name for the same task while x is live
+    state = cloud.state()
+    assert state.violations == 1
+    assert (state.launched_total, state.live_clusters, state.unterminated_clusters) == (4, 2, 2)
+
+
+def test_operator_preempts_regions_sets_capacity_and_fails_launches() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    launch_up(cloud, spec("a", job=1))
+    launch_up(cloud, dataclasses.replace(spec("b", job=2), use_spot=False))
+    assert cloud.preempt_region(EAST) == ["a"]
+    assert cloud.get("b").status == ClusterState.UP
+    cloud.set_capacity(EAST, spot=0, on_demand=None)
+    cloud.inject_faults(WEST, fail_next_launches=1)
+    with pytest.raises(NoCapacity):
+        cloud.begin_launch(spec("c", job=3, accelerators="A100"))
+    assert cloud.regions[WEST].failing_launches == 0
+    assert launch_up(cloud, spec("c", job=3, accelerators="A100")) == (WEST, [EAST, WEST])
+
+
+# --- the service, through the sim backend ----------------------------------------------------
+
+
+@pytest.fixture
+async def running() -> AsyncIterator[RunningCloud]:
+    config = small_cloud(time_scale=1000.0, launch_latency_seconds=2.0)
+    cloud = await start(config, port=0)
+    try:
+        yield cloud
+    finally:
+        await cloud.stop()
+
+
+@pytest.fixture
+async def backend(running: RunningCloud) -> AsyncIterator[SimBackend]:
+    sim = make_backend("sim", root="/nonexistent", simcloud_address=f"127.0.0.1:{running.port}")
+    assert isinstance(sim, SimBackend)
+    try:
+        yield sim
+    finally:
+        await sim.close()
+
+
+@pytest.fixture
+async def operator(running: RunningCloud) -> AsyncIterator[pb_grpc.SimOperatorServiceAsyncStub]:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        yield pb_grpc.SimOperatorServiceStub(channel)
+
+
+def task(job: int = 1, task_id: int = 0, epoch: int = 1, **kw: Any) -> TaskRequest:
+    fields: dict[str, Any] = {"use_spot": True, **kw}
+    return TaskRequest(
+        job_id=job, task_id=task_id, epoch=epoch, cluster_name=f"mj-{job}-{task_id}", **fields
+    )
+
+
+async def test_backend_maps_no_capacity_and_prechecks(backend: SimBackend) -> None:
+    first = await backend.launch(task(1))
+    assert (first.region, first.backend) == (EAST, "sim")
+    await backend.launch(task(2))
+    with pytest.raises(ResourcesUnavailableError) as caught:
+        await backend.launch(task(3))
+    assert caught.value.regions_tried == [EAST, WEST, EU]
+    with pytest.raises(PrecheckError, match="unknown region"):
+        await backend.launch(task(4, region="mars-1"))
+    with pytest.raises(PrecheckError, match="cpus"):
+        await backend.launch(task(4, cpus="many"))
+    with pytest.raises(PrecheckError, match="stale epoch"):
+        await backend.launch(task(1, epoch=0))
+
+
+async def test_backend_sees_a_task_through_to_its_end(backend: SimBackend) -> None:
+    sim = {"runtime_seconds": 300, "log_lines": ["one", "two"], "exit_code": 3}
+    handle = await backend.launch(task(sim=sim))
+    assert await backend.cluster_status(handle) == ClusterStatus.UP
+    assert await backend.task_status(handle) == TaskStatus.RUNNING
+    assert await backend.task_end_time(handle) is None
+    chunks = [chunk async for chunk in backend.tail_logs(handle)]
+    assert b"".join(chunks) == b"one\ntwo\n"
+    assert await backend.task_status(handle) == TaskStatus.FAILED
+    assert await backend.task_end_time(handle) is not None
+    assert await backend.read_logs(handle) == b"one\ntwo\n"
+    assert await backend.cluster_exists(handle.cluster_name)
+    await backend.terminate(handle)
+    await backend.terminate(handle)
+    assert not await backend.cluster_exists(handle.cluster_name)
+    assert await backend.cluster_status(handle) == ClusterStatus.DOWN
+    assert await backend.task_status(handle) is None
+    assert await backend.read_logs(backend.handle_for("never-launched")) == b""
+
+
+async def test_preemption_is_pushed_on_the_event_stream(
+    backend: SimBackend, operator: pb_grpc.SimOperatorServiceAsyncStub
+) -> None:
+    stream = backend.events()
+    assert stream is not None
+    handle = await backend.launch(task(sim={"runtime_seconds": 1e6}))
+    seen: list[tuple[str, ClusterStatus | None]] = []
+    opened = asyncio.Event()
+    down = ClusterStatus.DOWN
+
+    async def until_down() -> None:
+        async for event in stream:
+            opened.set()
+            seen.append((event.cluster_name, event.cluster_status))
+            if (event.cluster_name, event.cluster_status) == (handle.cluster_name, down):
+                return
+
+    watcher = asyncio.create_task(until_down())
+    # The stream starts "from now": probe launches until one of their events comes through.
+    for probe in range(100, 110):
+        await backend.terminate(await backend.launch(task(probe, use_spot=False)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(opened.wait(), 0.5)
+        if opened.is_set():
+            break
+    reply = await operator.PreemptCluster(pb.PreemptClusterRequest(cluster_name="mj-1-0"))
+    assert reply.preempted
+    await asyncio.wait_for(watcher, 5)
+    assert seen[-1] == (handle.cluster_name, ClusterStatus.DOWN)
+    assert await backend.task_status(handle) is None
+    state = await operator.GetCloudState(pb.GetCloudStateRequest())
+    assert (state.preempted_total, state.live_clusters, state.unterminated_clusters) == (1, 0, 1)
+
+
+async def test_watch_resumes_after_a_sequence_number(running: RunningCloud) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        stub = pb_grpc.SimCloudServiceStub(channel)
+        request = pb.LaunchRequest(cluster_name="r", job_id=1, epoch=1)
+        await stub.Launch(request)
+        call = stub.WatchEvents(pb.WatchEventsRequest(after_seq=1))
+        replies = []
+        async for reply in call:
+            replies.append(reply)
+            if len(replies) == 3:
+                break
+        call.cancel()
+        assert [r.event.seq for r in replies[1:]] == [2, 3]
+        assert replies[1].event.cluster_status == pb.CLUSTER_STATUS_UP
+
+
+async def test_an_unreachable_cloud_is_reported_and_recovers(
+    backend: SimBackend, operator: pb_grpc.SimOperatorServiceAsyncStub
+) -> None:
+    assert await backend.reachable()
+    await operator.InjectFaults(pb.InjectFaultsRequest(unreachable_seconds=300))  # 0.3 s real
+    assert not await backend.reachable()
+    with pytest.raises(BackendUnreachableError):
+        await backend.cluster_status(backend.handle_for("x"))
+    deadline = asyncio.get_running_loop().time() + 5
+    while not await backend.reachable():
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+
+
+async def test_inventory_lists_every_cluster_with_who_launched_it(
+    backend: SimBackend, operator: pb_grpc.SimOperatorServiceAsyncStub
+) -> None:
+    for job in (1, 2):
+        handle = await backend.launch(task(job, epoch=job + 10))
+        await backend.terminate(handle)
+    await backend.launch(task(1, epoch=11))
+    records = await list_inventory(operator, page_size=1)
+    assert [(c.job_id, c.epoch, c.HasField("terminate_time")) for c in records] == [
+        (1, 11, True),
+        (2, 12, True),
+        (1, 11, False),
+    ]
+    assert [c.cluster_id for c in await list_inventory(operator, job_id=2)] == [2]
+    state = await operator.GetCloudState(pb.GetCloudStateRequest())
+    assert (state.launched_total, state.terminated_total, state.violations) == (3, 2, 0)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await operator.ListInventory(pb.ListInventoryRequest(page_token="nope"))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
