@@ -88,6 +88,34 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], error: ApiError) ->
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+# Services register how their infrastructure errors read to callers (e.g. the
+# scheduler: "database unreachable" is UNAVAILABLE, for the client to retry).
+Translator = Callable[[Exception], ApiError | None]
+_translators: list[Translator] = []
+
+
+def register_translator(translator: Translator) -> None:
+    _translators.append(translator)
+
+
+def translate(exc: Exception) -> ApiError | None:
+    for translator in _translators:
+        error = translator(exc)
+        if error is not None:
+            return error
+    return None
+
+
+async def _unexpected(context: Any, handler: Callable[..., Any], exc: Exception) -> None:
+    if isinstance(exc, grpc.aio.AbortError):
+        raise exc
+    error = translate(exc)
+    if error is not None:
+        await abort(context, error)
+        return
+    log.exception("unhandled error in %s", handler.__qualname__)
+    await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+
 
 def rpc_errors(handler: F) -> F:
     """Maps ApiError (and stray exceptions) raised by a handler to gRPC statuses."""
@@ -102,10 +130,7 @@ def rpc_errors(handler: F) -> F:
             except ApiError as error:
                 await abort(context, error)
             except Exception as exc:
-                if isinstance(exc, grpc.aio.AbortError):
-                    raise
-                log.exception("unhandled error in %s", handler.__qualname__)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+                await _unexpected(context, handler, exc)
 
         return cast(F, stream)
 
@@ -116,9 +141,6 @@ def rpc_errors(handler: F) -> F:
         except ApiError as error:
             await abort(context, error)
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            log.exception("unhandled error in %s", handler.__qualname__)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {exc}")
+            await _unexpected(context, handler, exc)
 
     return cast(F, unary)

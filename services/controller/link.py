@@ -35,6 +35,10 @@ class Rejected(Exception):
     """The scheduler refused a request (a stale epoch, or a transition it forbids)."""
 
 
+class LeaseLost(Rejected):
+    """This replica's lease ran out: it must not act for any job."""
+
+
 class Link:
     def __init__(
         self,
@@ -63,6 +67,16 @@ class Link:
         self.heartbeat_interval = 2.0
         self.last_renewal = 0.0
         self._lease_timer: asyncio.Task[None] | None = None
+
+    def lease_valid(self) -> bool:
+        """Whether the scheduler surely still counts this replica's lease.
+
+        The scheduler renews a lease on every message it receives and this replica
+        renews its view on every answer (heartbeats are acked), so this view runs
+        out no later than the scheduler's; a pause (SIGSTOP) past the TTL shows
+        here at once, before any further backend call.
+        """
+        return self.last_renewal > 0 and self._clock() - self.last_renewal < self.lease_ttl
 
     # --- sending ---------------------------------------------------------------------------
 

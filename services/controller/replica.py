@@ -24,6 +24,7 @@ from services.backends import Backend, ClusterHandle
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
 from services.controller.config import LifecycleConfig
+from services.controller.fencing import LeaseGuard
 from services.controller.joblog import LogsClient
 from services.controller.lifecycle import JobLifecycle, cluster_name
 from services.controller.link import Link, Rejected
@@ -187,13 +188,13 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.controller_id = controller_id
         self.address = address
         self.capacity = capacity
-        self.backend = backend
         self.logs = logs
         self.config = config
         self.watch = ClusterWatch()
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
         self.link = Link(scheduler_address, self.hello, self.on_message, self.on_lease_lost)
+        self.backend: Backend = LeaseGuard(backend, self.link.lease_valid)
         self._link_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:

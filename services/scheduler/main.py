@@ -15,16 +15,19 @@ from collections.abc import Sequence
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common import logs, settings
+from services.common.errors import register_translator
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.api import JobApi
 from services.scheduler.db import Database, default_url
 from services.scheduler.events import EventBus
+from services.scheduler.health import DbHealth, unavailable
 from services.scheduler.replicas import Replicas
 from services.scheduler.store import Store
 
 log = logging.getLogger(__name__)
+register_translator(unavailable)
 
 SETTINGS = (
     settings.HOST,
@@ -61,6 +64,13 @@ SETTINGS = (
         "per-replica job limit overriding the replica's own (0: the replica's)",
         int,
     ),
+    Setting(
+        "db_probe_interval",
+        "MJ_DB_PROBE_INTERVAL",
+        2.0,
+        "seconds between database health probes",
+        float,
+    ),
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -77,13 +87,19 @@ class SchedulerApp:
         port: int = 0,
         lease_ttl: float = 10.0,
         heartbeat_interval: float = 2.0,
+        db_probe_interval: float = 2.0,
     ) -> None:
         self.db = Database.open(database_url)
         self.bus = EventBus()
         self.store = Store(self.db, self.bus)
         self.admission = Admission(self.store, limits, self._send)
+        self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
         self.replicas = Replicas(
-            self.store, self.admission, lease_ttl=lease_ttl, heartbeat_interval=heartbeat_interval
+            self.store,
+            self.admission,
+            self.health,
+            lease_ttl=lease_ttl,
+            heartbeat_interval=heartbeat_interval,
         )
         self.server = Server(host, port)
         self.server.add(
@@ -100,14 +116,23 @@ class SchedulerApp:
     def _send(self, controller_id: str, message: pb.ConnectControllerResponse) -> bool:
         return self.replicas.send(controller_id, message)
 
+    async def _database_changed(self, reachable: bool) -> None:
+        await self.server.set_serving(reachable)
+        if reachable:
+            self.replicas.restart_leases()
+            self.admission.kick()
+
     async def start(self) -> int:
-        await self.db.migrate()
+        """Migrates (waiting for the database to answer), rebuilds the counters and serves."""
+        await self.health.retry(self.db.migrate, limit=120)
         await self.admission.rebuild()
         await self.replicas.adopt_unknown()
         self.admission.start()
+        self.health.start()
         return await self.server.start()
 
     async def close(self, grace: float = 0.0) -> None:
+        await self.health.stop()
         await self.server.stop(grace)
         await self.replicas.close()
         await self.admission.stop()
@@ -127,6 +152,7 @@ async def serve(a: argparse.Namespace) -> None:
         port=a.port,
         lease_ttl=a.lease_ttl,
         heartbeat_interval=a.heartbeat_interval,
+        db_probe_interval=a.db_probe_interval,
     )
     port = await app.start()
     log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,6 +28,7 @@ from managedjobs.v1 import scheduler_service_pb2_grpc
 from services.common.errors import FailedPrecondition, rpc_errors
 from services.common.statuses import ScheduleState
 from services.scheduler.admission import Admission, ReplicaInfo
+from services.scheduler.health import DbHealth
 from services.scheduler.store import StaleReport, Store
 
 log = logging.getLogger(__name__)
@@ -54,12 +56,14 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self,
         store: Store,
         admission: Admission,
+        health: DbHealth,
         lease_ttl: float = 10.0,
         heartbeat_interval: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.store = store
         self.admission = admission
+        self.health = health
         self.lease_ttl = lease_ttl
         self.heartbeat_interval = heartbeat_interval
         self.clock = clock
@@ -104,6 +108,11 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             if remaining > 0:
                 await asyncio.sleep(remaining)
                 continue
+            if not self.health.ok:
+                # Nothing can move while the database is away; leases restart when it is back.
+                await self.health.wait_reachable()
+                session.deadline = max(session.deadline, self.clock() + self.lease_ttl)
+                continue
             await self._expire(session)
             return
 
@@ -115,16 +124,18 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         session.connected = False
         session.queue.put_nowait(None)
         self.expired.append((session.controller_id, self.clock()))
-        while True:
-            try:
-                moves = await self.store.release_replica(
-                    session.controller_id, reason=f"lease of {session.controller_id} expired"
-                )
-                break
-            except Exception:
-                log.exception("cannot release jobs of an expired replica; retrying")
-                await asyncio.sleep(1.0)
+        moves = await self.health.retry(
+            lambda: self.store.release_replica(
+                session.controller_id, reason=f"lease of {session.controller_id} expired"
+            ),
+            limit=float("inf"),
+        )
         self.admission.applied(moves)
+
+    def restart_leases(self) -> None:
+        """Gives every replica a full lease from now (after the database came back)."""
+        for session in self.sessions.values():
+            session.deadline = max(session.deadline, self.clock() + self.lease_ttl)
 
     async def close(self) -> None:
         for session in list(self.sessions.values()):
@@ -204,12 +215,9 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 session.controller_id, lost, reason="the replica no longer runs it"
             )
             self.admission.applied(moves)
-        for job_id, epoch in truth.items():
-            if held.get(job_id) != epoch:
-                continue
-            job = await self.store.get_job(job_id)
-            if job is None:
-                continue
+        kept = [job_id for job_id, epoch in truth.items() if held.get(job_id) == epoch]
+        for job in await self.store.get_jobs(kept):
+            job_id, epoch = job.job_id, truth[job.job_id]
             if job.schedule_state == St.LAUNCHING:
                 session.queue.put_nowait(
                     pb.ConnectControllerResponse(
@@ -228,28 +236,56 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         request_iterator: AsyncIterator[pb.ConnectControllerRequest],
         generation: int,
     ) -> None:
+        """Reads the replica's messages. Heartbeats are acked at once, even while the
+        database is away, so a replica keeps its lease; everything else goes, in order,
+        to a worker that retries while the database is unreachable."""
+        work: asyncio.Queue[pb.ConnectControllerRequest] = asyncio.Queue()
+        worker = asyncio.create_task(self._work(session, work, generation))
         try:
             async for request in request_iterator:
                 if session.generation != generation:
                     return
                 self._renew(session)
-                ack = await self._handle(session, request)
-                session.queue.put_nowait(pb.ConnectControllerResponse(ack=ack))
+                if request.WhichOneof("message") == "heartbeat":
+                    ack = pb.ReportAck(ack_seq=request.seq, accepted=True)
+                    session.queue.put_nowait(pb.ConnectControllerResponse(ack=ack))
+                else:
+                    work.put_nowait(request)
+            await work.join()
         except (asyncio.CancelledError, grpc.aio.AioRpcError):
             raise
         except Exception:
             log.exception("replica stream failed", extra={"controller_id": session.controller_id})
         finally:
+            worker.cancel()
+            await asyncio.gather(worker, return_exceptions=True)
             if session.generation == generation:
                 session.queue.put_nowait(None)
+
+    async def _work(
+        self,
+        session: Session,
+        work: asyncio.Queue[pb.ConnectControllerRequest],
+        generation: int,
+    ) -> None:
+        while True:
+            request = await work.get()
+            try:
+                if session.generation == generation:
+                    ack = await self.health.retry(functools.partial(self._handle, session, request))
+                    session.queue.put_nowait(pb.ConnectControllerResponse(ack=ack))
+            except Exception:
+                # Unacked, the replica sends it again on its next stream.
+                log.exception("report failed", extra={"controller_id": session.controller_id})
+                session.queue.put_nowait(None)
+            finally:
+                work.task_done()
 
     async def _handle(self, session: Session, request: pb.ConnectControllerRequest) -> pb.ReportAck:
         kind = request.WhichOneof("message")
         cid = session.controller_id
         try:
-            if kind == "heartbeat":
-                pass  # the ack renews the replica's view of its lease
-            elif kind == "transition":
+            if kind == "transition":
                 await self.store.apply_transition(request.transition, cid)
             elif kind == "launch_slot_request":
                 r = request.launch_slot_request
@@ -331,6 +367,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self, request: pb.GetSchedulerStateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.GetSchedulerStateResponse:
         state = self.admission.state()
+        state.stale_reports = self.stale_reports
+        state.database_reachable = self.health.ok
         for cid, session in sorted(self.sessions.items()):
             info = self.admission.replicas.get(cid)
             slots = self.admission.slots(cid)

@@ -619,10 +619,16 @@ class GetSchedulerStateResponse(_message.Message):
     WAITING_FIELD_NUMBER: _builtins.int
     ALIVE_WAITING_FIELD_NUMBER: _builtins.int
     REPLICAS_FIELD_NUMBER: _builtins.int
+    STALE_REPORTS_FIELD_NUMBER: _builtins.int
+    DATABASE_REACHABLE_FIELD_NUMBER: _builtins.int
     launching: _builtins.int
     alive: _builtins.int
     waiting: _builtins.int
     alive_waiting: _builtins.int
+    stale_reports: _builtins.int
+    """Reports refused since start because their epoch was stale."""
+    database_reachable: _builtins.bool
+    """Whether the scheduler's database answers."""
     @_builtins.property
     def global_limits(self) -> Global___Capacity: ...
     @_builtins.property
@@ -636,10 +642,12 @@ class GetSchedulerStateResponse(_message.Message):
         waiting: _builtins.int = ...,
         alive_waiting: _builtins.int = ...,
         replicas: _abc.Iterable[Global___ReplicaState] | None = ...,
+        stale_reports: _builtins.int = ...,
+        database_reachable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["global_limits", b"global_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "global_limits", b"global_limits", "launching", b"launching", "replicas", b"replicas", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "launching", b"launching", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
