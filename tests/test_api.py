@@ -159,3 +159,20 @@ async def test_watch_streams_backlog_then_live_events(
     assert second.event.status == JobStatus.CANCELLED
     assert second.event.event_id > first.event.event_id
     stream.cancel()
+
+
+async def test_waiting_jobs_say_why(client: job_service_pb2_grpc.JobServiceStub) -> None:
+    low = await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n", priority=-5))
+    high = await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n", priority=10))
+    first = (await client.GetJob(pb.GetJobRequest(job_id=high.job_id))).job
+    assert first.wait_reason == "waiting for a launch slot"
+    second = (await client.GetJob(pb.GetJobRequest(job_id=low.job_id))).job
+    assert second.wait_reason == "waiting for higher-priority jobs (1 ahead)"
+
+
+def test_sent_events_skips_repeats_in_any_order() -> None:
+    from services.scheduler.api import SentEvents
+
+    sent = SentEvents()
+    assert sent.add(7) and sent.add(5) and sent.add(6)
+    assert not sent.add(5) and not sent.add(7)

@@ -55,6 +55,27 @@ def _user(user: str) -> str:
     return user or DEFAULT_USER
 
 
+class SentEvents:
+    """Ids of events a watcher was sent, forgetting those far below the newest."""
+
+    KEEP = 100_000
+
+    def __init__(self) -> None:
+        self._ids: set[int] = set()
+        self._top = 0
+
+    def add(self, event_id: int) -> bool:
+        """Records an id; False if it was sent already."""
+        if event_id in self._ids:
+            return False
+        self._ids.add(event_id)
+        self._top = max(self._top, event_id)
+        if len(self._ids) > 2 * self.KEEP:
+            floor = self._top - self.KEEP
+            self._ids = {i for i in self._ids if i > floor}
+        return True
+
+
 class JobApi(job_service_pb2_grpc.JobServiceServicer):
     def __init__(
         self, store: Store, bus: EventBus, admission: Admission, replicas: Replicas
@@ -107,6 +128,15 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         job = await self.store.get_job(request.job_id)
         if job is None:
             raise NotFound(f"job {request.job_id} does not exist", job_id=str(request.job_id))
+        if job.schedule_state == ScheduleState.WAITING:
+            ahead = await self.store.ahead_of(job.job_id, job.priority)
+            job.wait_reason = (
+                f"waiting for higher-priority jobs ({ahead} ahead)"
+                if ahead
+                else "waiting for a launch slot"
+            )
+        elif job.schedule_state == ScheduleState.ALIVE_WAITING and not job.wait_reason:
+            job.wait_reason = "waiting for a launch slot"
         return pb.GetJobResponse(job=job)
 
     @rpc_errors
@@ -186,19 +216,22 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 raise NotFound(f"job_ids: no job {', '.join(map(str, missing))}")
         subscription = self.bus.subscribe(job_ids)
         try:
+            # Transactions commit in id order but may publish out of it, so the live
+            # part skips what was sent by id, not by "at most the last id sent".
+            sent = SentEvents()
             last = request.after_event_id
             while True:
                 backlog = await self.store.events_after(last, job_ids)
                 for event in backlog:
+                    sent.add(event.event_id)
                     yield pb.WatchJobsResponse(event=event)
                     last = event.event_id
                 if len(backlog) < 1000:
                     break
             while True:
                 event = await subscription.next()
-                if event.event_id <= last:
+                if event.event_id <= request.after_event_id or not sent.add(event.event_id):
                     continue
-                last = event.event_id
                 yield pb.WatchJobsResponse(event=event)
         finally:
             subscription.close()

@@ -266,6 +266,22 @@ class Store:
         async with self.db.read() as session:
             return list(await session.scalars(self._ordered(query, limit)))
 
+    async def ahead_of(self, job_id: int, priority: int) -> int:
+        """How many queued jobs rank ahead of this WAITING one (ALIVE_WAITING first, then
+        higher priority, then earlier submission)."""
+        query = select(func.count()).where(
+            (JobRow.schedule_state == St.ALIVE_WAITING)
+            | (
+                (JobRow.schedule_state == St.WAITING)
+                & (
+                    (JobRow.priority > priority)
+                    | ((JobRow.priority == priority) & (JobRow.id < job_id))
+                )
+            )
+        )
+        async with self.db.read() as session:
+            return int(await session.scalar(query) or 0)
+
     async def orphans(self, limit: int) -> list[JobRow]:
         """Admitted jobs that no replica holds (their replica's lease expired)."""
         query = select(JobRow).where(
