@@ -54,7 +54,7 @@ def test_forty_jobs_never_exceed_the_limits_and_start_in_order(stack: Stack) -> 
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
         ids = []
         for i in range(40):
-            task = "run: train\nsim: {runtime_seconds: %d}\n" % rng.randint(10, 24)
+            task = f"run: train\nsim: {{runtime_seconds: {rng.randint(10, 24)}}}\n"
             spec = f"name: job-{i}\n---\n{task}---\n{task}" if i % 3 == 0 else task
             priority = rng.choice([-10, 0, 0, 5, 20])
             reply = jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, priority=priority))

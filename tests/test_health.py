@@ -16,17 +16,17 @@ UNREACHABLE = "postgresql://postgres@127.0.0.1:1/nothing"
 
 async def test_probe_reports_an_unreachable_database() -> None:
     changes: list[bool] = []
+    noticed = asyncio.Event()
 
     async def changed(ok: bool) -> None:
         changes.append(ok)
+        noticed.set()
 
     db = Database.open(UNREACHABLE)
     health = DbHealth(db, changed, interval=0.05)
     health.start()
     try:
-        async with asyncio.timeout(5):
-            while not changes:
-                await asyncio.sleep(0.01)
+        await asyncio.wait_for(noticed.wait(), 5)
     finally:
         await health.stop()
         await db.close()
@@ -36,18 +36,19 @@ async def test_probe_reports_an_unreachable_database() -> None:
 
 async def test_probe_reports_a_reachable_database(database: Database) -> None:
     changes: list[bool] = []
+    back = asyncio.Event()
 
     async def changed(ok: bool) -> None:
         changes.append(ok)
+        if ok:
+            back.set()
 
     health = DbHealth(database, changed, interval=0.05)
     await health.failed(OperationalError("SELECT 1", {}, Exception("gone")))
     assert changes == [False]
     health.start()
     try:
-        async with asyncio.timeout(5):
-            while changes == [False]:
-                await asyncio.sleep(0.01)
+        await asyncio.wait_for(back.wait(), 5)
     finally:
         await health.stop()
     assert changes == [False, True]
