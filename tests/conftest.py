@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
@@ -92,3 +93,9 @@ def bus() -> EventBus:
 @pytest.fixture
 def store(database: Database, bus: EventBus) -> Store:
     return Store(database, bus)
+
+
+# Under CI, hypothesis runs the same examples every time, so a red run is reproducible.
+hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
+if IN_CI:
+    hypothesis_settings.load_profile("ci")

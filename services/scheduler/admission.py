@@ -145,8 +145,9 @@ class Admission:
 
     async def schedule(self) -> None:
         self.passes += 1
-        await self._grant_alive_waiting()
+        # Orphans first: they take no launch slot, and once placed they may need one.
         await self._place_orphans()
+        await self._grant_alive_waiting()
         await self._admit_waiting()
 
     def _global_launch_room(self) -> int:

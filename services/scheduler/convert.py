@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable
+from typing import Any
 
 from google.protobuf import timestamp_pb2
+from sqlalchemy import Row
 
 from managedjobs.v1 import job_pb2
 from services.scheduler.models import EventRow, JobRow, TaskRow
@@ -30,7 +32,12 @@ def from_timestamp(value: timestamp_pb2.Timestamp) -> dt.datetime | None:
     return value.ToDatetime(tzinfo=dt.UTC)
 
 
-def task_message(row: TaskRow, with_spec: bool) -> job_pb2.Task:
+# ORM objects, or plain rows of the same table (cheaper, on hot paths).
+JobLike = JobRow | Row[Any]
+TaskLike = TaskRow | Row[Any]
+
+
+def task_message(row: TaskLike, with_spec: bool) -> job_pb2.Task:
     task = job_pb2.Task(
         task_id=row.task_id,
         name=row.name,
@@ -49,7 +56,7 @@ def task_message(row: TaskRow, with_spec: bool) -> job_pb2.Task:
     return task
 
 
-def job_message(row: JobRow, tasks: Iterable[TaskRow], with_specs: bool = False) -> job_pb2.Job:
+def job_message(row: JobLike, tasks: Iterable[TaskLike], with_specs: bool = False) -> job_pb2.Job:
     return job_pb2.Job(
         job_id=row.id,
         name=row.name,

@@ -15,8 +15,9 @@ import dataclasses
 import datetime as dt
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
-from sqlalchemy import Select, func, insert, select, update
+from sqlalchemy import Row, Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -63,6 +64,25 @@ class Move:
     epoch: int
     old: ScheduleState
     new: ScheduleState
+
+
+class Queued(NamedTuple):
+    """What admission needs of a queued job."""
+
+    id: int
+    priority: int
+    epoch: int
+    controller_id: str | None
+    schedule_state: ScheduleState
+
+
+QUEUED_COLUMNS = (
+    JobRow.id,
+    JobRow.priority,
+    JobRow.epoch,
+    JobRow.controller_id,
+    JobRow.schedule_state,
+)
 
 
 class StaleReport(Exception):
@@ -253,18 +273,21 @@ class Store:
 
     # --- admission ----------------------------------------------------------------------
 
-    def _ordered(self, query: Select[JobRow], limit: int) -> Select[JobRow]:
-        return query.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)
-
     async def queued(
         self, state: ScheduleState, controller_id: str | None, limit: int
-    ) -> list[JobRow]:
+    ) -> list[Queued]:
         """Jobs in `state` in admission order (priority, then submission)."""
-        query = select(JobRow).where(JobRow.schedule_state == state)
+        query = select(*QUEUED_COLUMNS).where(JobRow.schedule_state == state)
         if controller_id is not None:
             query = query.where(JobRow.controller_id == controller_id)
+        return await self._queued(query, limit)
+
+    async def _queued(
+        self, query: Select[int, int, int, str | None, ScheduleState], limit: int
+    ) -> list[Queued]:
+        query = query.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)
         async with self.db.read() as session:
-            return list(await session.scalars(self._ordered(query, limit)))
+            return [Queued(*row) for row in (await session.execute(query)).all()]
 
     async def ahead_of(self, job_id: int, priority: int) -> int:
         """How many queued jobs rank ahead of this WAITING one (ALIVE_WAITING first, then
@@ -282,13 +305,12 @@ class Store:
         async with self.db.read() as session:
             return int(await session.scalar(query) or 0)
 
-    async def orphans(self, limit: int) -> list[JobRow]:
+    async def orphans(self, limit: int) -> list[Queued]:
         """Admitted jobs that no replica holds (their replica's lease expired)."""
-        query = select(JobRow).where(
+        query = select(*QUEUED_COLUMNS).where(
             JobRow.controller_id.is_(None), JobRow.schedule_state.in_(list(ALIVE_LIST))
         )
-        async with self.db.read() as session:
-            return list(await session.scalars(self._ordered(query, limit)))
+        return await self._queued(query, limit)
 
     async def move(
         self,
@@ -401,9 +423,7 @@ class Store:
             jobs: list[job_pb2.Job] = []
             if fetch and rows:
                 moved = [int(r[0]) for r in rows]
-                found = await session.scalars(select(JobRow).where(JobRow.id.in_(moved)))
-                tasks = await self._tasks(session, moved)
-                jobs = [convert.job_message(r, tasks.get(r.id, []), True) for r in found]
+                jobs = await self._job_messages(session, moved)
         self.bus.publish(
             convert.event_message(EventRow(id=i, **v))
             for i, v in zip(event_ids, event_values, strict=True)
@@ -416,9 +436,18 @@ class Store:
 
     async def get_jobs(self, job_ids: Sequence[int], with_specs: bool = False) -> list[job_pb2.Job]:
         async with self.db.read() as session:
-            rows = list(await session.scalars(select(JobRow).where(JobRow.id.in_(list(job_ids)))))
-            tasks = await self._tasks(session, [r.id for r in rows])
-            return [convert.job_message(r, tasks.get(r.id, []), with_specs) for r in rows]
+            return await self._job_messages(session, list(job_ids), with_specs)
+
+    async def _job_messages(
+        self, session: AsyncSession, job_ids: list[int], with_specs: bool = True
+    ) -> list[job_pb2.Job]:
+        """Jobs with their tasks, read as plain rows (no ORM objects: this is a hot path)."""
+        jobs = (await session.execute(select(JobRow.__table__).where(JobRow.id.in_(job_ids)))).all()
+        tasks: dict[int, list[Row[Any]]] = {}
+        query = select(TaskRow.__table__).where(TaskRow.job_id.in_(job_ids))
+        for task in (await session.execute(query)).all():
+            tasks.setdefault(task.job_id, []).append(task)
+        return [convert.job_message(j, tasks.get(j.id, []), with_specs) for j in jobs]
 
     async def release_replica(
         self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
