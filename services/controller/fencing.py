@@ -7,23 +7,16 @@ without cleanup (another replica owns the job now). Reads pass through.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
-from services.backends import (
-    Backend,
-    ClusterEvent,
-    ClusterHandle,
-    ClusterStatus,
-    TaskRequest,
-    TaskStatus,
-)
+from services.backends import Backend, ClusterHandle, TaskRequest
+from services.backends.wrapper import BackendWrapper
 from services.controller.link import LeaseLost
 
 
-class LeaseGuard(Backend):
+class LeaseGuard(BackendWrapper):
     def __init__(self, inner: Backend, lease_valid: Callable[[], bool]) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self._lease_valid = lease_valid
 
     def _check(self, what: str) -> None:
@@ -42,33 +35,3 @@ class LeaseGuard(Backend):
     async def terminate(self, handle: ClusterHandle) -> None:
         self._check(f"terminate of {handle.cluster_name}")
         await self.inner.terminate(handle)
-
-    def handle_for(self, cluster_name: str) -> ClusterHandle:
-        return self.inner.handle_for(cluster_name)
-
-    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
-        return await self.inner.cluster_status(handle)
-
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        return await self.inner.task_status(handle)
-
-    async def task_end_time(self, handle: ClusterHandle) -> float | None:
-        return await self.inner.task_end_time(handle)
-
-    async def cluster_exists(self, cluster_name: str) -> bool:
-        return await self.inner.cluster_exists(cluster_name)
-
-    async def read_logs(self, handle: ClusterHandle) -> bytes:
-        return await self.inner.read_logs(handle)
-
-    def tail_logs(self, handle: ClusterHandle) -> AsyncIterator[bytes]:
-        return self.inner.tail_logs(handle)
-
-    async def reachable(self) -> bool:
-        return await self.inner.reachable()
-
-    def events(self) -> AsyncIterator[ClusterEvent] | None:
-        return self.inner.events()
-
-    async def close(self) -> None:
-        await self.inner.close()
