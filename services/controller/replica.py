@@ -26,7 +26,7 @@ from services.common.statuses import JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
 from services.controller.joblog import LogsClient
-from services.controller.lifecycle import JobLifecycle, cluster_name
+from services.controller.lifecycle import CancelRequest, JobLifecycle, cluster_name, run_job
 from services.controller.link import Link, Rejected
 from services.controller.watch import ClusterWatch
 
@@ -77,32 +77,19 @@ class JobRunner:
         self.job_id = job.job_id
         self.epoch = epoch
         self.slot = LaunchSlot(self, granted)
-        self.cancel_requested = job.cancel_requested
+        self.cancel = CancelRequest(job.cancel_requested)
         self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config)
         self.clusters = [cluster_name(job.job_id, t.task_id) for t in job.tasks]
         for name in self.clusters:
             replica.watch.track(name)
         self.task: asyncio.Task[None] | None = None
-        self._inner: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._main(), name=f"job-{self.job_id}")
 
     async def _main(self) -> None:
         try:
-            cancelled = self.cancel_requested
-            if not cancelled:
-                self._inner = asyncio.create_task(self.lifecycle.run())
-                await asyncio.wait([self._inner])
-                cancelled = self._inner.cancelled()
-                error = None if cancelled else self._inner.exception()
-                if isinstance(error, Rejected):
-                    self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
-                    return
-                if error is not None:
-                    log.error("lifecycle failed", exc_info=error, extra={"job_id": self.job_id})
-                    self.note(f"lifecycle error: {error!r}")
-            await self.lifecycle.cleanup(cancelled)
+            await run_job(self.lifecycle, self.cancel, stop_on=(Rejected,))
             self.note("done")
             # The lifecycle log is complete by the time anyone sees the job DONE.
             await self.replica.logs.flush()
@@ -112,19 +99,13 @@ class JobRunner:
         except Rejected as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
         finally:
-            if self._inner is not None and not self._inner.done():
-                self._inner.cancel()
             self.replica.forget(self)
 
     def request_cancel(self) -> None:
-        self.cancel_requested = True
-        if self._inner is not None and not self._inner.done():
-            self._inner.cancel()
+        self.cancel.set()
 
     def stop(self) -> None:
-        """Stops acting for the job at once, reporting nothing."""
-        if self._inner is not None:
-            self._inner.cancel()
+        """Stops acting for the job at once, reporting nothing (run_job stops its main path)."""
         if self.task is not None:
             self.task.cancel()
 

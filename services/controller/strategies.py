@@ -1,12 +1,26 @@
-"""Launch and recovery strategies (SPEC §7), chosen by name from the task's spec.
+"""Launch, recovery and restart strategies (SPEC §7, seed 001), chosen by name from the spec.
 
-Every strategy launches the same way: take a launch slot, ask the backend, and
-on "no capacity" give the slot back while backing off (exponential, with
-jitter) so other jobs can launch meanwhile. A request that can never launch is
-a precheck failure at once. They differ in how they recover a preempted task:
+Every strategy launches the same way (`Strategy.launch`):
+- take the job's launch slot, ask the backend, and wait a bounded number of
+  checks for the task to start on the new cluster; a task that never starts is a
+  failed attempt (its cluster is terminated);
+- a request that can never launch (`PrecheckError`, or "unavailable" without a
+  single region tried) fails at once: retrying cannot help;
+- any other failed attempt backs off (exponential, with jitter) *after giving the
+  slot back*, so other jobs launch meanwhile; the slot is held only while
+  actually launching (seed 001's `scheduled_launch`);
+- an optional retry limit ends in `NoResources` (FAILED_NO_RESOURCE). Attempts
+  refused because the backend is unreachable do not count: they say nothing
+  about capacity.
 
-- FAILOVER relaunches in the region it lost first, then anywhere allowed.
-- EAGER_NEXT_REGION relaunches with the lost region blocked, then anywhere.
+They differ in how they relaunch a task whose cluster was preempted:
+- FAILOVER relaunches in the region it lost first (data and quota are there),
+  then anywhere allowed.
+- EAGER_NEXT_REGION relaunches with the lost region blocked (spot capacity
+  there has just proved scarce), then anywhere allowed. SkyPilot's default.
+
+After user code failed on a healthy cluster, `restart` relaunches anywhere
+allowed while `max_restarts_on_errors` allows: the region is not to blame.
 """
 
 from __future__ import annotations
@@ -15,15 +29,19 @@ import abc
 import logging
 import random
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from managedjobs.v1 import job_pb2
 from services.backends import (
     Backend,
+    BackendError,
+    BackendUnreachableError,
     ClusterHandle,
+    ClusterStatus,
     PrecheckError,
     ResourcesUnavailableError,
     TaskRequest,
+    TaskStatus,
 )
 from services.controller.config import LifecycleConfig
 
@@ -35,26 +53,38 @@ class NoResources(Exception):
 
 
 class Slot(Protocol):
-    async def acquire(self, reason: str) -> None: ...
+    """A job's launch slot: granted by the scheduler under the launch limits (SPEC §5)."""
 
-    async def release(self, wait_reason: str = "") -> None: ...
+    async def acquire(self, reason: str) -> None:
+        """Returns once the slot is held (at once if it already is)."""
+
+    async def release(self, wait_reason: str = "") -> None:
+        """Gives the slot back (nothing if not held); `wait_reason` says why the job waits."""
 
 
 class Backoff:
+    """Exponential backoff with jitter: each delay doubles up to `maximum`.
+
+    The jitter draws each delay from the upper half of its step, so the retries
+    of many jobs that failed together spread out instead of hitting the cloud at
+    the same instant, while a delay never drops below half its step.
+    """
+
     def __init__(self, initial: float, maximum: float, rng: random.Random | None = None) -> None:
         self._next = initial
         self._max = maximum
         self._rng = rng or random.Random()
 
     def next(self) -> float:
-        value = self._next
+        value = min(self._next, self._max)
         self._next = min(self._next * 2, self._max)
-        # Full jitter over the upper half keeps retries of many jobs apart.
         return value * (0.5 + self._rng.random() / 2)
 
 
 class Strategy(abc.ABC):
-    name = ""
+    """How one task is launched, recovered after a preemption and restarted after a crash."""
+
+    name: ClassVar[str] = ""
 
     def __init__(
         self,
@@ -62,11 +92,17 @@ class Strategy(abc.ABC):
         slot: Slot,
         config: LifecycleConfig,
         note: Callable[[str], None],
+        max_restarts: int = 0,
     ) -> None:
         self.backend = backend
         self.slot = slot
         self.config = config
         self.note = note
+        # max_restarts_on_errors: restarts allowed after user code failed.
+        self.max_restarts = max_restarts
+
+    def may_restart(self, restarts_so_far: int) -> bool:
+        return restarts_so_far < self.max_restarts
 
     async def launch(
         self,
@@ -75,53 +111,98 @@ class Strategy(abc.ABC):
         blocked: Sequence[str] = (),
         attempts: int = 0,
     ) -> ClusterHandle:
-        """Launches until the task has started on a cluster.
+        """Launches until the task has started on a cluster; returns with the slot held.
+
+        Args:
+            request: The task attempt.
+            regions: Only these regions, in this order (empty: any allowed).
+            blocked: Never these regions.
+            attempts: Failed attempts allowed (0: the configured retry limit).
 
         Raises:
             PrecheckError: the request can never launch.
-            NoResources: `attempts` (or the configured retry limit) ran out.
+            NoResources: the allowed attempts failed.
         """
         limit = attempts or self.config.max_launch_retries
         backoff = Backoff(self.config.backoff_initial, self.config.backoff_max)
-        attempt = 0
+        task = request.task_id
+        attempt = failures = 0
         while True:
             attempt += 1
-            await self.slot.acquire("waiting for a launch slot")
-            where = _where(regions, blocked)
-            self.note(f"launching {request.cluster_name} (attempt {attempt}{where})")
+            await self.slot.acquire(f"waiting for a launch slot (task {task}, attempt {attempt})")
+            prefix = f"task {task}: launch attempt {attempt}" + (f" of {limit}" if limit else "")
+            self.note(f"{prefix}: launching {request.cluster_name}{_where(regions, blocked)}")
+            counted = True
             try:
                 handle = await self.backend.launch(request, regions, blocked)
+            except PrecheckError as error:
+                self.note(f"{prefix}: precheck failed, never retried: {error}")
+                raise
             except ResourcesUnavailableError as error:
                 if not error.regions_tried:
+                    # Nothing could even be tried: retrying until up would retry forever.
+                    self.note(f"{prefix}: no region can serve this request: {error}")
                     raise PrecheckError(f"no region can serve this request: {error}") from error
-                tried = ", ".join(error.regions_tried)
-                if limit and attempt >= limit:
-                    raise NoResources(f"no capacity after {attempt} attempts ({tried})") from error
-                delay = backoff.next()
-                reason = f"backing off {delay:.1f}s after no capacity in {tried}"
-                self.note(reason)
-                await self.slot.release(reason)
-                await self.config.sleep(delay)
-                continue
-            if await self._started(handle):
-                self.note(f"task started on {handle.cluster_name} in {handle.region or '-'}")
-                return handle
-            self.note(f"task did not start on {handle.cluster_name}; terminating and retrying")
-            await self.backend.terminate(handle)
-            if limit and attempt >= limit:
-                raise NoResources(f"the task did not start after {attempt} attempts")
+                why = f"no capacity in {', '.join(error.regions_tried)}"
+            except BackendUnreachableError as error:
+                why = f"backend unreachable ({error})"
+                counted = False
+            except BackendError as error:
+                why = f"launch failed: {error}"
+            else:
+                where = f"{handle.region or '-'}" + (f" ({handle.zone})" if handle.zone else "")
+                if await self._started(handle):
+                    self.note(f"{prefix}: {handle.cluster_name} is up in {where}; task started")
+                    return handle
+                why = f"the task did not start on {handle.cluster_name} in {where}"
+                await self._discard(handle)
+            if counted:
+                failures += 1
+            if limit and failures >= limit:
+                self.note(f"{prefix}: {why}; giving up after {failures} failed attempts")
+                raise NoResources(f"{why}; gave up after {failures} failed launch attempts")
+            delay = backoff.next()
+            reason = f"backing off {delay:.2f}s after attempt {attempt}: {why}"
+            self.note(f"{prefix}: {reason}")
+            await self.slot.release(reason)
+            await self.config.sleep(delay)
 
     async def _started(self, handle: ClusterHandle) -> bool:
-        for _ in range(max(1, self.config.start_checks)):
-            status = await self.backend.task_status(handle)
-            if status is not None and status.name != "PENDING":
+        """Whether the task starts on a new cluster within `start_checks` checks.
+
+        A cluster that went down meanwhile (preempted while the task was being
+        submitted) is a failed attempt at once, as in SkyPilot.
+        """
+        for check in range(max(1, self.config.start_checks)):
+            if check:
+                await self.config.sleep(self.config.start_check_interval)
+            try:
+                status = await self.backend.task_status(handle)
+                if status is None and await self.backend.cluster_status(handle) != ClusterStatus.UP:
+                    return False
+            except BackendError as error:
+                self.note(f"cannot read the task on {handle.cluster_name} yet: {error}")
+                continue
+            if status is not None and status != TaskStatus.PENDING:
                 return True
-            await self.config.sleep(self.config.start_check_interval)
         return False
+
+    async def _discard(self, handle: ClusterHandle) -> None:
+        """Terminates the cluster of a failed attempt; the next launch of the name replaces it."""
+        try:
+            await self.backend.terminate(handle)
+        except BackendError as error:
+            # The cleanup terminates every cluster of the job by name and verifies it.
+            self.note(f"terminating {handle.cluster_name} failed ({error}); retrying anyway")
 
     @abc.abstractmethod
     async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
-        """Relaunches a task whose cluster was lost."""
+        """Relaunches a task whose cluster was lost (already terminated by the caller)."""
+
+    async def restart(self, request: TaskRequest, failed: ClusterHandle) -> ClusterHandle:
+        """Relaunches after user code failed on a healthy cluster: anywhere allowed."""
+        self.note(f"task {request.task_id}: restarting after user code failed")
+        return await self.launch(request)
 
 
 class Failover(Strategy):
@@ -129,10 +210,14 @@ class Failover(Strategy):
 
     async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
         if lost.region:
+            self.note(f"task {request.task_id}: {self.name}: relaunching in {lost.region} first")
             try:
                 return await self.launch(request, regions=[lost.region], attempts=1)
             except (NoResources, PrecheckError) as error:
-                self.note(f"cannot relaunch in {lost.region} ({error}); trying any allowed region")
+                self.note(
+                    f"task {request.task_id}: cannot relaunch in {lost.region} ({error}); "
+                    "trying every allowed region"
+                )
         return await self.launch(request)
 
 
@@ -141,12 +226,16 @@ class EagerNextRegion(Strategy):
 
     async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
         if lost.region:
+            self.note(
+                f"task {request.task_id}: {self.name}: relaunching outside {lost.region} first"
+            )
             try:
                 return await self.launch(request, blocked=[lost.region], attempts=1)
             except (NoResources, PrecheckError) as error:
                 # A task pinned to the lost region has nowhere else to go.
                 self.note(
-                    f"cannot relaunch outside {lost.region} ({error}); trying any allowed region"
+                    f"task {request.task_id}: cannot relaunch outside {lost.region} ({error}); "
+                    "trying every allowed region"
                 )
         return await self.launch(request)
 
@@ -166,7 +255,10 @@ def strategy_for(
     config: LifecycleConfig,
     note: Callable[[str], None],
 ) -> Strategy:
-    return STRATEGIES[spec.resources.recovery_strategy](backend, slot, config, note)
+    """The strategy the task's `resources.job_recovery` names."""
+    resources = spec.resources
+    cls = STRATEGIES[resources.recovery_strategy]
+    return cls(backend, slot, config, note, max_restarts=resources.max_restarts_on_errors)
 
 
 def _where(regions: Sequence[str], blocked: Sequence[str]) -> str:
@@ -175,4 +267,16 @@ def _where(regions: Sequence[str], blocked: Sequence[str]) -> str:
         parts.append(f"in {', '.join(regions)}")
     if blocked:
         parts.append(f"not in {', '.join(blocked)}")
-    return "; " + "; ".join(parts) if parts else ""
+    return " (" + "; ".join(parts) + ")" if parts else " (any allowed region)"
+
+
+__all__ = [
+    "STRATEGIES",
+    "Backoff",
+    "EagerNextRegion",
+    "Failover",
+    "NoResources",
+    "Slot",
+    "Strategy",
+    "strategy_for",
+]

@@ -1,0 +1,565 @@
+"""Every path of a job's lifecycle (SPEC §6) and of the strategies (§7), one row each.
+
+Each row runs one job through `run_job` against the sim cloud in this process
+(1,000 simulated seconds per real second) and asserts:
+- the exact sequence of statuses each task reported;
+- every launch the backend saw, in order: which task, where it asked (anywhere,
+  "in" the candidate regions, "not" in the blocked ones) and what came of it
+  (the region, "full: <regions tried>", "precheck", "unreachable"), each under a
+  launch grant;
+- recovery_count and restart_count as last reported, and the failure reason;
+- the sim cloud's inventory: the job's clusters in launch order, every one
+  terminated (unless the row is about a leak);
+- the order of a success (SUCCEEDED, then logs fetched while the cluster is
+  still up, then teardown), the resources in the STARTING report, the launch
+  slot given back, and the lifecycle log naming the attempt and region of every
+  launch.
+
+The poll interval is an hour unless a row says otherwise, so watching relies on
+the events the sim cloud pushes; the grace period is 50 ms and backoffs start
+at 10 ms, so the whole table runs in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from lifecycle_harness import (
+    EAST,
+    EU,
+    REGIONS,
+    WEST,
+    FailingTerminate,
+    Hooks,
+    Host,
+    LongFirstRun,
+    NeverStartsFirst,
+    NoPush,
+    OddTaskStatus,
+    World,
+    build,
+    fast_config,
+    make_job,
+    prelaunch,
+    start_job,
+)
+
+from managedjobs.v1 import job_pb2
+from services.backends import Backend, ClusterHandle
+from services.common.statuses import IllegalTransition, JobStatus
+from services.controller.config import LifecycleConfig
+from services.controller.lifecycle import cluster_name
+from services.controller.strategies import (
+    Backoff,
+    EagerNextRegion,
+    Failover,
+    strategy_for,
+)
+from services.scheduler.spec import parse_job_spec
+
+S = JobStatus
+STARTING, RUNNING, RECOVERING = S.STARTING, S.RUNNING, S.RECOVERING
+SUCCEEDED, FAILED, CANCELLED = S.SUCCEEDED, S.FAILED, S.CANCELLED
+RAN = (STARTING, RUNNING, SUCCEEDED)
+ALL_FULL = f"full: {EAST},{WEST},{EU}"
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    opened = await World.open()
+    try:
+        yield opened
+    finally:
+        await opened.close()
+
+
+# --- what rows do to the cloud ------------------------------------------------------------------
+
+
+async def preempt_first_task(world: World, host: Host) -> None:
+    await world.preempt(cluster_name(host.job_id, 0))
+    host.marks["preempted"] = asyncio.get_running_loop().time()
+
+
+async def fill_east_then_preempt(world: World, host: Host) -> None:
+    await world.set_spot_capacity(EAST, 0)
+    await preempt_first_task(world, host)
+
+
+async def cloud_unreachable(world: World, host: Host) -> None:
+    # 300 simulated seconds: 0.3 s of real time in which nothing can be asked.
+    await world.inject(unreachable_seconds=300)
+
+
+async def no_spot_anywhere(world: World) -> None:
+    for region in REGIONS:
+        await world.set_spot_capacity(region, 0)
+
+
+def noticed_within(seconds: float) -> Callable[[Host], None]:
+    def check(host: Host) -> None:
+        recovering = next(r for r in host.reports if r.status == RECOVERING)
+        assert recovering.at - host.marks["preempted"] < seconds
+
+    return check
+
+
+def released(*reasons: str) -> Callable[[Host], None]:
+    """The launch slot was given back with these wait reasons (prefixes), in order."""
+
+    def check(host: Host) -> None:
+        assert len(host.slot.releases) == len(reasons), host.slot.releases
+        for got, want in zip(host.slot.releases, reasons, strict=True):
+            assert got.startswith(want), (got, want)
+
+    return check
+
+
+def backed_off_for_capacity(host: Host) -> None:
+    """Three attempts, each under a grant; the slot given back while backing off between."""
+    assert len(host.slot.acquires) == 3
+    for reason in host.slot.releases[:2]:
+        assert f"no capacity in {EAST}, {WEST}, {EU}" in reason, reason
+
+
+def all_checks(*checks: Callable[[Host], None]) -> Callable[[Host], None]:
+    def check(host: Host) -> None:
+        for one in checks:
+            one(host)
+
+    return check
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    id: str
+    spec: str
+    # Per task: the statuses it reported, in order.
+    statuses: tuple[tuple[JobStatus, ...], ...]
+    # Per launch: (task, where, outcome).
+    launches: tuple[tuple[int, str, str], ...]
+    # Per task: (recovery_count, restart_count) as last reported.
+    counts: tuple[tuple[int, int], ...] = ((0, 0),)
+    failure: str = ""
+    # Resume: the tasks' statuses and regions as a previous holder left them, and the
+    # tasks whose cluster it had launched.
+    prior: tuple[JobStatus, ...] = ()
+    prior_regions: tuple[str, ...] = ()
+    prelaunch: tuple[int, ...] = ()
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    wrap: tuple[Callable[[Backend], Backend], ...] = ()
+    hooks: Hooks = dataclasses.field(default_factory=Hooks)
+    before: Callable[[World], Awaitable[None]] | None = None
+    # Clusters the row expects to be left live (a cleanup that failed).
+    leaked: int = 0
+    notes: tuple[str, ...] = ()
+    check: Callable[[Host], None] | None = None
+
+
+SPOT = "resources:\n  use_spot: true\n"
+ROWS = [
+    Row(
+        "single-task-succeeds",
+        "name: ok\nrun: train\nsim: {log_lines: [hello, bye]}\n",
+        (RAN,),
+        ((0, "", EAST),),
+        check=released(""),
+    ),
+    Row(
+        "chain-with-a-task-without-run",
+        "name: chain\n---\nname: a\nrun: a\n---\nname: b\n---\nname: c\nrun: c\n",
+        (RAN, (STARTING, SUCCEEDED), RAN),
+        ((0, "", EAST), (2, "", EAST)),
+        counts=((0, 0), (0, 0), (0, 0)),
+    ),
+    Row(
+        "resume-skips-a-succeeded-task",
+        "name: two\n---\nname: a\nrun: a\n---\nname: b\nrun: b\n",
+        ((), RAN),
+        ((1, "", EAST),),
+        counts=((0, 0), (0, 0)),
+        prior=(SUCCEEDED, S.PENDING),
+        notes=("task 0: already SUCCEEDED; skipped",),
+    ),
+    Row(
+        "resume-running-watches-its-cluster",
+        f"name: running\nrun: train\n{SPOT}",
+        ((SUCCEEDED,),),
+        (),
+        prior=(RUNNING,),
+        prior_regions=(EAST,),
+        prelaunch=(0,),
+        notes=("task 0: resumed; watching",),
+    ),
+    Row(
+        "resume-starting-relaunches",
+        f"name: starting\nrun: train\n{SPOT}",
+        ((RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST),),
+        counts=((1, 0),),
+        prior=(STARTING,),
+        prelaunch=(0,),
+    ),
+    Row(
+        "resume-recovering-relaunches",
+        f"name: recovering\nrun: train\n{SPOT}",
+        ((RUNNING, SUCCEEDED),),
+        ((0, f"not {EAST}", WEST),),
+        counts=((1, 0),),
+        prior=(RECOVERING,),
+        prior_regions=(EAST,),
+        notes=(f"task 0: recovery 1 with EAGER_NEXT_REGION; mj-1-0 was lost in {EAST}",),
+    ),
+    Row(
+        "user-failure-without-restarts-fails",
+        "name: crash\nrun: train\nsim: {exit_code: 1, log_lines: [boom]}\n",
+        ((STARTING, RUNNING, FAILED),),
+        ((0, "", EAST),),
+        failure="user run exited non-zero",
+    ),
+    Row(
+        "setup-failure-fails-setup",
+        "name: setup\nsetup: pip install x\nrun: train\nsim: {setup_exit_code: 2}\n",
+        ((STARTING, RUNNING, S.FAILED_SETUP),),
+        ((0, "", EAST),),
+        failure="user setup exited non-zero",
+    ),
+    Row(
+        "user-failure-restarts-then-fails",
+        "name: flaky\nrun: train\nresources:\n"
+        "  job_recovery: {strategy: FAILOVER, max_restarts_on_errors: 2}\nsim: {exit_code: 1}\n",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, RECOVERING, RUNNING, FAILED),),
+        ((0, "", EAST), (0, "", EAST), (0, "", EAST)),
+        counts=((0, 2),),
+        failure="after 2 restarts",
+        notes=("restart 1 of 2", "restart 2 of 2"),
+    ),
+    Row(
+        "preempted-failover-relaunches-in-the-same-region",
+        f"name: fo\nrun: train\n{SPOT}  job_recovery: FAILOVER\n",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST), (0, f"in {EAST}", EAST)),
+        counts=((1, 0),),
+        wrap=(LongFirstRun,),
+        hooks=Hooks(at_watch=preempt_first_task),
+        notes=(f"FAILOVER: relaunching in {EAST} first",),
+    ),
+    Row(
+        "preempted-failover-goes-elsewhere-when-the-region-is-full",
+        f"name: fo-full\nrun: train\n{SPOT}  job_recovery: FAILOVER\n",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST), (0, f"in {EAST}", f"full: {EAST}"), (0, "", WEST)),
+        counts=((1, 0),),
+        wrap=(LongFirstRun,),
+        hooks=Hooks(at_watch=fill_east_then_preempt),
+        notes=(f"cannot relaunch in {EAST}",),
+    ),
+    Row(
+        "preempted-eager-next-region-blocks-the-lost-region",
+        f"name: eager\nrun: train\n{SPOT}  job_recovery: EAGER_NEXT_REGION\n",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST), (0, f"not {EAST}", WEST)),
+        counts=((1, 0),),
+        wrap=(LongFirstRun,),
+        hooks=Hooks(at_watch=preempt_first_task),
+    ),
+    Row(
+        "preempted-eager-pinned-to-its-region-falls-back-to-it",
+        f"name: pinned\nrun: train\n{SPOT}  region: {EAST}\n",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST), (0, f"not {EAST}", "precheck"), (0, "", EAST)),
+        counts=((1, 0),),
+        wrap=(LongFirstRun,),
+        hooks=Hooks(at_watch=preempt_first_task),
+    ),
+    Row(
+        "preemption-noticed-by-push-with-hourly-polls",
+        f"name: pushed\nrun: train\n{SPOT}",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST), (0, f"not {EAST}", WEST)),
+        counts=((1, 0),),
+        config={"poll_interval": 3600.0},
+        wrap=(LongFirstRun,),
+        hooks=Hooks(at_watch=preempt_first_task),
+        check=noticed_within(1.0),
+    ),
+    Row(
+        "preemption-noticed-by-polling-a-backend-that-cannot-push",
+        f"name: polled\nrun: train\n{SPOT}",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED),),
+        ((0, "", EAST), (0, f"not {EAST}", WEST)),
+        counts=((1, 0),),
+        config={"poll_interval": 0.05},
+        wrap=(NoPush, LongFirstRun),
+        hooks=Hooks(at_watch=preempt_first_task),
+        check=noticed_within(1.0),
+    ),
+    Row(
+        "failure-on-a-cluster-lost-in-the-grace-period-is-a-preemption",
+        f"name: grace\nrun: train\n{SPOT}sim: {{exit_code: 1}}\n",
+        ((STARTING, RUNNING, RECOVERING, RUNNING, FAILED),),
+        ((0, "", EAST), (0, f"not {EAST}", WEST)),
+        counts=((1, 0),),
+        failure="user run exited non-zero",
+        hooks=Hooks(at_grace=preempt_first_task),
+        notes=("went down: preempted",),
+    ),
+    Row(
+        "unknown-task-status-fails-the-controller",
+        "name: odd\nrun: train\n",
+        ((STARTING, RUNNING, S.FAILED_CONTROLLER),),
+        ((0, "", EAST),),
+        failure="unknown task status",
+        wrap=(OddTaskStatus,),
+    ),
+    Row(
+        "unreachable-backend-concludes-nothing",
+        "name: outage\nrun: train\nsim: {runtime_seconds: 100}\n",
+        (RAN,),
+        ((0, "", EAST),),
+        hooks=Hooks(at_running=cloud_unreachable),
+        notes=("backend unreachable; concluding nothing",),
+    ),
+    Row(
+        "precheck-failure-is-never-retried",
+        "name: mars\nrun: train\nresources:\n  region: mars-1\n",
+        ((STARTING, S.FAILED_PRECHECKS),),
+        ((0, "", "precheck"),),
+        failure="mars-1",
+        check=released(""),
+    ),
+    Row(
+        "no-capacity-anywhere-ends-in-no-resource",
+        f"name: full\nrun: train\n{SPOT}",
+        ((STARTING, S.FAILED_NO_RESOURCE),),
+        ((0, "", ALL_FULL),) * 3,
+        failure="gave up after 3 failed launch attempts",
+        config={"max_launch_retries": 3},
+        before=no_spot_anywhere,
+        check=all_checks(released("backing off", "backing off", ""), backed_off_for_capacity),
+    ),
+    Row(
+        "task-that-never-starts-is-terminated-and-retried",
+        "name: stuck\nrun: train\n",
+        (RAN,),
+        ((0, "", EAST), (0, "", EAST)),
+        config={"start_checks": 3},
+        wrap=(NeverStartsFirst,),
+        notes=("the task did not start on mj-1-0",),
+        check=released("backing off", ""),
+    ),
+    Row(
+        "tasks-after-a-failed-one-are-cancelled",
+        "name: three\n---\nname: a\nrun: a\n---\nname: b\nrun: b\nsim: {exit_code: 3}\n"
+        "---\nname: c\nrun: c\n",
+        (RAN, (STARTING, RUNNING, FAILED), (CANCELLED,)),
+        ((0, "", EAST), (1, "", EAST)),
+        counts=((0, 0), (0, 0), (0, 0)),
+        failure="user run exited non-zero",
+    ),
+    Row(
+        "cleanup-that-fails-ends-failed-controller",
+        "name: leak\nrun: train\n",
+        ((STARTING, RUNNING, SUCCEEDED, S.FAILED_CONTROLLER),),
+        ((0, "", EAST),),
+        failure="could not be terminated",
+        config={"terminate_attempts": 2},
+        wrap=(FailingTerminate,),
+        leaked=1,
+    ),
+]
+
+
+def _wrap(layers: tuple[Callable[[Backend], Backend], ...]) -> Callable[[Backend], Backend]:
+    def wrap(backend: Backend) -> Backend:
+        for layer in reversed(layers):
+            backend = layer(backend)
+        return backend
+
+    return wrap
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row.id for row in ROWS])
+async def test_lifecycle_path(world: World, row: Row) -> None:
+    job_id = world.next_job_id()
+    assert job_id == 1  # the rows name clusters mj-1-N
+    regions = dict(enumerate(row.prior_regions))
+    prelaunched = [await prelaunch(world, job_id, task, {}) for task in row.prelaunch]
+    for task in row.prelaunch:
+        # Its task ends before the job is resumed: no event will come; only a first look sees it.
+        handle = world.sim.handle_for(cluster_name(job_id, task))
+        await world.until(functools.partial(_finished, world, handle), f"task {task} to end")
+    job = make_job(row.spec, job_id, prior=row.prior, regions=regions)
+    running = await start_job(
+        world,
+        job,
+        epoch=2 if row.prior else 1,
+        config=fast_config(**row.config),
+        wrap=_wrap(row.wrap) if row.wrap else None,
+        hooks=row.hooks,
+        before=row.before,
+    )
+    await running.finished()
+    host = running.host
+
+    # The exact statuses, task by task.
+    assert [tuple(host.statuses(t.task_id)) for t in job.tasks] == list(row.statuses)
+    # The launches the backend saw, in order, each under a grant.
+    launches = host.recorder.launches
+    assert [(x.task_id, x.where, x.outcome) for x in launches] == list(row.launches)
+    assert all(x.under_grant for x in launches)
+    assert not host.slot.held
+    # Counts and failure reason as last reported.
+    for spec_task, (recoveries, restarts) in zip(job.tasks, row.counts, strict=True):
+        reports = [r for r in host.reports if r.task_id == spec_task.task_id]
+        if reports:
+            fields = reports[-1].fields
+            assert (fields["recovery_count"], fields["restart_count"]) == (recoveries, restarts)
+    reasons = [r.fields["failure_reason"] for r in host.reports if r.fields.get("failure_reason")]
+    if row.failure:
+        assert reasons and row.failure in reasons[-1], reasons
+    else:
+        assert not reasons
+    # The inventory: the job's clusters in launch order, none left live.
+    inventory = await world.inventory(job_id)
+    launched = [x.outcome for x in launches if x.outcome in REGIONS]
+    assert [c.region for c in inventory] == prelaunched + launched
+    live = [c for c in inventory if not c.HasField("terminate_time")]
+    assert len(live) == row.leaked, live
+    for cluster in live:
+        await world.sim.terminate(world.sim.handle_for(cluster.name))
+    assert await world.live(job_id) == []
+    _assert_common_order(host, job)
+    for text in row.notes:
+        assert any(text in note for note in host.notes), (text, host.notes)
+    if row.check is not None:
+        row.check(host)
+
+
+async def _finished(world: World, handle: ClusterHandle) -> bool:
+    status = await world.sim.task_status(handle)
+    return status is not None and status.finished
+
+
+def _assert_common_order(host: Host, job: job_pb2.Job) -> None:
+    """What every row must show, whatever its path."""
+    for report in host.reports:
+        if report.status == STARTING:
+            assert report.message == f"resources {job.tasks[report.task_id].resources}"
+    timeline = host.timeline
+    for task in job.tasks:
+        t = str(task.task_id)
+        name = cluster_name(job.job_id, task.task_id)
+        statuses = host.statuses(task.task_id)
+        fetches = [f for f in host.fetched if f[0] == task.task_id]
+        if task.spec.run and SUCCEEDED in statuses:
+            # Marked SUCCEEDED first, then logs fetched, then the cluster torn down.
+            done = timeline.index(("report", t, "SUCCEEDED"))
+            fetched = timeline.index(("fetch", t), done)
+            timeline.index(("terminate", name), fetched)
+        if statuses and statuses[-1] in (SUCCEEDED, FAILED, S.FAILED_SETUP) and task.spec.run:
+            assert fetches and all(exists for *_, exists in fetches), fetches
+    # Every launch that came up is in the lifecycle log with its attempt and region.
+    for launch in host.recorder.launches:
+        if launch.outcome in REGIONS:
+            assert any(
+                f"task {launch.task_id}: launch attempt" in n and launch.outcome in n
+                for n in host.notes
+            ), host.notes
+    # Every transition is in the lifecycle log too, in order.
+    moves = [n for n in host.notes if n.endswith("]") and " [was " in n]
+    assert len(moves) == len(host.reports)
+    for move, report in zip(moves, host.reports, strict=True):
+        assert move.startswith(f"task {report.task_id}: {report.status.name}")
+
+
+async def test_logs_of_a_success_are_fetched_before_teardown(world: World) -> None:
+    job = make_job("name: ok\nrun: train\nsim: {log_lines: [hello, bye]}\n", 1)
+    running = await start_job(world, job)
+    await running.finished()
+    [(task_id, name, data, existed)] = running.host.fetched
+    assert (task_id, name, data, existed) == (0, "mj-1-0", b"hello\nbye\n", True)
+
+
+async def test_transition_refuses_what_the_table_forbids(world: World) -> None:
+    job = make_job("name: two\n---\nname: a\nrun: a\n---\nname: b\nrun: b\n", 1, prior=(SUCCEEDED,))
+    host, lifecycle = await build(world, job)
+    try:
+        done, pending = lifecycle.tasks
+        with pytest.raises(IllegalTransition, match="SUCCEEDED -> RUNNING"):
+            await lifecycle.transition(done, RUNNING)
+        with pytest.raises(IllegalTransition, match="PENDING -> PENDING"):
+            await lifecycle.transition(pending, S.PENDING)
+        with pytest.raises(IllegalTransition, match="PENDING -> RUNNING"):
+            await lifecycle.transition(pending, RUNNING)
+        assert host.reports == [] and (done.status, pending.status) == (SUCCEEDED, S.PENDING)
+        # A terminal status only ever moves to FAILED_CONTROLLER (a cleanup that failed).
+        await lifecycle.transition(done, S.FAILED_CONTROLLER, "leak")
+        assert host.statuses(0) == [S.FAILED_CONTROLLER]
+    finally:
+        await host.watch.close()
+
+
+async def test_launches_refused_while_unreachable_do_not_count_as_retries(world: World) -> None:
+    async def outage(world: World) -> None:
+        await world.inject(unreachable_seconds=100)  # 0.1 s
+
+    job = make_job("name: outage\nrun: train\n", 1)
+    # One counted failure would end the task FAILED_NO_RESOURCE.
+    config = fast_config(max_launch_retries=1, poll_interval=0.02)
+    running = await start_job(world, job, config=config, wrap=NoPush, before=outage)
+    await running.finished()
+    host = running.host
+    assert host.statuses(0) == list(RAN)
+    *refused, last = [x.outcome for x in host.recorder.launches]
+    assert refused and set(refused) == {"unreachable"} and last == EAST
+    assert all(r.startswith("backing off") for r in host.slot.releases[:-1])
+    assert await world.live(1) == []
+
+
+def test_backoff_doubles_up_to_the_maximum_with_jitter() -> None:
+    backoff = Backoff(1.0, 5.0, random.Random(3))
+    delays = [backoff.next() for _ in range(6)]
+    steps = [1.0, 2.0, 4.0, 5.0, 5.0, 5.0]
+    assert all(step / 2 <= delay < step for delay, step in zip(delays, steps, strict=True))
+    assert len(set(delays)) == len(delays)
+
+
+@pytest.mark.parametrize(
+    ("job_recovery", "strategy", "restarts"),
+    [
+        ("", EagerNextRegion, 0),
+        ("FAILOVER", Failover, 0),
+        ("EAGER_NEXT_REGION", EagerNextRegion, 0),
+        ("{strategy: FAILOVER, max_restarts_on_errors: 4}", Failover, 4),
+    ],
+)
+def test_strategy_is_chosen_from_the_spec(
+    job_recovery: str, strategy: type[Failover | EagerNextRegion], restarts: int
+) -> None:
+    text = "run: x\n" + (f"resources:\n  job_recovery: {job_recovery}\n" if job_recovery else "")
+    spec = parse_job_spec(text).tasks[0]
+
+    async def never(reason: str = "") -> None:
+        raise AssertionError("unused")
+
+    slot = type("Slot", (), {"acquire": never, "release": never})()
+    chosen = strategy_for(spec, None, slot, LifecycleConfig(), print)  # type: ignore[arg-type]
+    assert type(chosen) is strategy and chosen.max_restarts == restarts
+
+
+def test_defaults_are_skypilots_and_tests_inject_their_own() -> None:
+    defaults = LifecycleConfig()
+    assert (defaults.poll_interval, defaults.grace_seconds) == (15.0, 5.0)
+    assert defaults.backoff_initial == 60.0 and defaults.max_launch_retries == 0
+    fast = fast_config()
+    assert fast.grace_seconds < 0.1 and fast.backoff_initial < 0.1
