@@ -439,3 +439,23 @@ async def test_inventory_lists_every_cluster_with_who_launched_it(
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await operator.ListInventory(pb.ListInventoryRequest(page_token="nope"))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_launch_its_caller_abandons_is_rolled_back() -> None:
+    """A cancelled Launch leaves no cluster behind, even one still provisioning."""
+    cloud = await start(small_cloud(time_scale=1.0, launch_latency_seconds=30.0), port=0)
+    sim = make_backend("sim", root="/nonexistent", simcloud_address=f"127.0.0.1:{cloud.port}")
+    try:
+        launching = asyncio.create_task(sim.launch(task(7)))
+        async with asyncio.timeout(5):
+            while not await sim.cluster_exists("mj-7-0"):
+                await asyncio.sleep(0.01)
+        launching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await launching
+        async with asyncio.timeout(5):
+            while await sim.cluster_exists("mj-7-0"):
+                await asyncio.sleep(0.01)
+    finally:
+        await sim.close()
+        await cloud.stop()

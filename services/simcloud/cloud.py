@@ -208,7 +208,14 @@ class Cloud:
     async def launch(self, spec: LaunchSpec) -> tuple[Cluster, list[str]]:
         """Launches and waits for UP; see `begin_launch` for the errors."""
         cluster, tried = self.begin_launch(spec)
-        await self.wait_up(cluster)
+        try:
+            await self.wait_up(cluster)
+        except asyncio.CancelledError:
+            # The caller gave up (its RPC was cancelled): roll the launch back, so a
+            # cluster nobody knows of is not left running.
+            if cluster.status in (ClusterState.INIT, ClusterState.UP):
+                self._terminate(cluster, self.clock.now(), replaced=False)
+            raise
         return cluster, tried
 
     def get(self, name: str) -> Cluster:
