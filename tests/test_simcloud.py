@@ -447,15 +447,20 @@ async def test_a_launch_its_caller_abandons_is_rolled_back() -> None:
     sim = make_backend("sim", root="/nonexistent", simcloud_address=f"127.0.0.1:{cloud.port}")
     try:
         launching = asyncio.create_task(sim.launch(task(7)))
-        async with asyncio.timeout(5):
-            while not await sim.cluster_exists("mj-7-0"):
-                await asyncio.sleep(0.01)
+        await eventually(lambda: sim.cluster_exists("mj-7-0"), True)
         launching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await launching
-        async with asyncio.timeout(5):
-            while await sim.cluster_exists("mj-7-0"):
-                await asyncio.sleep(0.01)
+        await eventually(lambda: sim.cluster_exists("mj-7-0"), False)
     finally:
         await sim.close()
         await cloud.stop()
+
+
+async def eventually(check: Any, want: object, timeout: float = 5.0) -> None:
+    """Waits (bounded) until `await check()` equals `want`."""
+    async with asyncio.timeout(timeout):
+        while True:
+            if await check() == want:
+                return
+            await asyncio.sleep(0.01)
