@@ -6,7 +6,9 @@ under the data dir and the local backend, and stops them all on Ctrl-C. With
 `--backend sim` it first starts `mj-simcloud` (on port 50071, with
 `--simcloud-config` if given) and runs the controllers and logs on the sim
 backend. The end-to-end tests start the same topology through `Stack`
-(`simcloud_args` not None: with a sim cloud).
+(`simcloud_args` not None: with a sim cloud; `database_url`: on PostgreSQL), and
+the reliability tests break it one process at a time through `Service`: kill
+(SIGKILL), pause and resume (SIGSTOP, SIGCONT), restart with the same arguments.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ def wait_serving(address: str, timeout: float = 30.0) -> None:
 
 @dataclasses.dataclass
 class Service:
+    """One service process: started, signalled, stopped and restarted with the same argv."""
+
     name: str
     argv: list[str]
     env: dict[str, str]
@@ -66,14 +70,62 @@ class Service:
         )
         log.close()
 
+    @property
+    def running(self) -> bool:
+        """Whether the process was started and has not exited (a paused one is running)."""
+        return self.process is not None and self.process.poll() is None
+
     def signal(self, sig: int) -> None:
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, sig)
+
+    def wait_serving(self, timeout: float = 30.0) -> None:
+        """Blocks until the service reports SERVING; raises if its process exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if not self.running:
+                code = self.process.returncode if self.process is not None else None
+                raise RuntimeError(f"{self.name} exited with {code}; see {self.log_path}")
+            try:
+                wait_serving(self.address, min(1.0, max(0.1, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{self.name} at {self.address} did not become healthy in {timeout:.0f}s"
+                    ) from None
+
+    def kill(self) -> None:
+        """SIGKILL: the process dies at once, with no chance to hand anything back."""
+        if self.process is None:
+            return
+        self.signal(signal.SIGKILL)
+        self.process.wait()
+
+    def pause(self) -> None:
+        """SIGSTOP: the process stays alive but does nothing (as a long GC pause or a VM stall)."""
+        self.signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after `pause`."""
+        self.signal(signal.SIGCONT)
+
+    def restart(self, timeout: float = 30.0, kill: bool = False) -> None:
+        """Stops the process (SIGTERM, or SIGKILL with `kill`) and starts it again, serving."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        self.start()
+        if self.address:
+            self.wait_serving(timeout)
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.process is None:
             return
         self.signal(signal.SIGTERM)
+        # A paused process handles SIGTERM only once it runs again.
+        self.signal(signal.SIGCONT)
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -96,6 +148,7 @@ class Stack:
         scheduler_args: Sequence[str] = (),
         simcloud_args: Sequence[str] | None = None,
         simcloud_port: int = 0,
+        database_url: str = "",
     ) -> None:
         self.data_dir = data_dir.resolve()
         base = dict(os.environ if env is None else env)
@@ -121,9 +174,13 @@ class Stack:
                 self.simcloud_address,
             )
             backend_env = {"MJ_BACKEND": "sim", "MJ_SIMCLOUD_ADDRESS": self.simcloud_address}
+        # A database URL (PostgreSQL for several replicas); empty: SQLite in the data dir.
+        self.database_url = database_url
+        database = ["--database-url", database_url] if database_url else []
         self.scheduler = Service(
             "scheduler",
             [*py, "services.scheduler.main", "--port", self.scheduler_address.split(":")[1]]
+            + database
             + list(scheduler_args),
             base,
             logs_dir / "scheduler.log",
@@ -159,6 +216,17 @@ class Stack:
     def services(self) -> list[Service]:
         cloud = [self.simcloud] if self.simcloud is not None else []
         return [*cloud, self.scheduler, self.logs, *self.controllers]
+
+    def service(self, name: str) -> Service:
+        """The service of this name: "scheduler", "logs", "simcloud" or "controller-N"."""
+        for service in self.services:
+            if service.name == name:
+                return service
+        raise KeyError(f"no service named {name!r}")
+
+    def exited(self) -> list[Service]:
+        """Services whose process was started and has exited."""
+        return [s for s in self.services if s.process is not None and not s.running]
 
     def start(self, timeout: float = 30.0) -> None:
         if self.simcloud is not None:

@@ -231,9 +231,9 @@ class Recorder(Wrapped):
         self.launches.append(Launch(request.task_id, where, handle.region, granted))
         return handle
 
-    async def terminate(self, handle: ClusterHandle) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
         self.timeline.append(("terminate", handle.cluster_name))
-        await self.inner.terminate(handle)
+        await self.inner.terminate(handle, epoch)
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         stream = self.inner.events()
@@ -321,7 +321,7 @@ class OddTaskStatus(Wrapped):
 class FailingTerminate(Wrapped):
     """Terminate always fails: the cluster leaks, and the job must say so."""
 
-    async def terminate(self, handle: ClusterHandle) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
         raise BackendError(f"terminate {handle.cluster_name}: permission denied")
 
 
@@ -337,13 +337,13 @@ class BlockingTerminate(Wrapped):
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def terminate(self, handle: ClusterHandle) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
         if self.passes > 0:
             self.passes -= 1
         else:
             self.entered.set()
             await self.release.wait()
-        await self.inner.terminate(handle)
+        await self.inner.terminate(handle, epoch)
 
 
 W = TypeVar("W", bound="Wrapped")

@@ -204,7 +204,7 @@ class MemoryBackend(Backend):
     async def task_end_time(self, handle: ClusterHandle) -> float | None:
         return None
 
-    async def terminate(self, handle: ClusterHandle) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
         self.gone.add(handle.cluster_name)
 
     async def cluster_exists(self, cluster_name: str) -> bool:

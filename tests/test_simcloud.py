@@ -257,6 +257,17 @@ def test_a_launch_with_a_stale_epoch_is_refused_and_counted() -> None:
     assert cloud.state().replaced_total == 1
 
 
+def test_a_terminate_with_a_stale_epoch_is_refused_and_counted() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    launch_up(cloud, spec(epoch=1))
+    launch_up(cloud, spec(epoch=2))  # the job moved; its new holder relaunched
+    with pytest.raises(StaleEpoch, match="stale epoch 1"):
+        cloud.terminate("c", epoch=1)
+    assert cloud.state().stale_terminates_rejected == 1
+    assert cloud.get("c").status == ClusterState.UP
+    assert cloud.terminate("c", epoch=2) is True
+
+
 def test_inventory_counts_replacements_and_overlapping_clusters_of_a_task() -> None:
     cloud = Cloud(small_cloud(), ManualClock())
     launch_up(cloud, spec("a", job=1))

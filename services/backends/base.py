@@ -161,8 +161,12 @@ class Backend(abc.ABC):
         """When the task finished (Unix seconds), or None if it has not."""
 
     @abc.abstractmethod
-    async def terminate(self, handle: ClusterHandle) -> None:
-        """Tears the cluster down; idempotent."""
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+        """Tears the cluster down; idempotent.
+
+        `epoch` is the caller's assignment epoch for the cluster's job (0: not on
+        behalf of a job); backends that can fence refuse a stale one.
+        """
 
     @abc.abstractmethod
     async def cluster_exists(self, cluster_name: str) -> bool:

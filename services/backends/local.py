@@ -529,7 +529,7 @@ class LocalBackend(Backend):
         end = raw.get("end_time") if isinstance(raw, dict) else None
         return float(end) if isinstance(end, (int, float)) else None
 
-    async def terminate(self, handle: ClusterHandle) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
         """Stops the supervisor (gracefully, then SIGKILL), kills leftovers, removes the dir."""
         layout = self._layout_or_none(handle.cluster_name)
         if layout is None:

@@ -220,8 +220,8 @@ class SimBackend(Backend):
             return None
         return cluster.task_end_time.ToNanoseconds() / 1e9
 
-    async def terminate(self, handle: ClusterHandle) -> None:
-        request = pb.TerminateRequest(cluster_name=handle.cluster_name)
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+        request = pb.TerminateRequest(cluster_name=handle.cluster_name, epoch=epoch)
         try:
             await self._cloud().Terminate(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:

@@ -43,8 +43,8 @@ class BackendWrapper(Backend):
     async def task_end_time(self, handle: ClusterHandle) -> float | None:
         return await self.inner.task_end_time(handle)
 
-    async def terminate(self, handle: ClusterHandle) -> None:
-        await self.inner.terminate(handle)
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+        await self.inner.terminate(handle, epoch)
 
     async def cluster_exists(self, cluster_name: str) -> bool:
         return await self.inner.cluster_exists(cluster_name)

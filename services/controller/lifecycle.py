@@ -408,7 +408,7 @@ class JobLifecycle:
         attempt = 0
         while True:
             try:
-                await self.backend.terminate(handle)
+                await self.backend.terminate(handle, self.host.epoch)
                 if not await self.backend.cluster_exists(name):
                     return
                 error = "it still exists after terminate"

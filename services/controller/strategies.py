@@ -155,7 +155,7 @@ class Strategy(abc.ABC):
                     self.note(f"{prefix}: {handle.cluster_name} is up in {where}; task started")
                     return handle
                 why = f"the task did not start on {handle.cluster_name} in {where}"
-                await self._discard(handle)
+                await self._discard(handle, request.epoch)
             if counted:
                 failures += 1
             if limit and failures >= limit:
@@ -187,10 +187,10 @@ class Strategy(abc.ABC):
                 return True
         return False
 
-    async def _discard(self, handle: ClusterHandle) -> None:
+    async def _discard(self, handle: ClusterHandle, epoch: int) -> None:
         """Terminates the cluster of a failed attempt; the next launch of the name replaces it."""
         try:
-            await self.backend.terminate(handle)
+            await self.backend.terminate(handle, epoch)
         except BackendError as error:
             # The cleanup terminates every cluster of the job by name and verifies it.
             self.note(f"terminating {handle.cluster_name} failed ({error}); retrying anyway")

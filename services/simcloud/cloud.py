@@ -72,6 +72,7 @@ class Cloud:
         self._preempted = 0
         self._replaced = 0
         self._stale = 0
+        self._stale_terminates = 0
         self._prechecks = 0
         self._no_capacity = 0
         self.unreachable_until = -math.inf
@@ -225,11 +226,22 @@ class Cloud:
             raise ClusterNotFound(f"no cluster named {name!r} was ever launched", name=name)
         return cluster
 
-    def terminate(self, name: str) -> bool:
-        """Terminates the cluster of this name; False when there was nothing to terminate."""
+    def terminate(self, name: str, epoch: int = 0) -> bool:
+        """Terminates the cluster of this name; False when there was nothing to terminate.
+
+        Raises:
+            StaleEpoch: `epoch` (when given) is below the highest seen for the job.
+        """
         cluster = self._by_name.get(name)
         if cluster is None or cluster.status == ClusterState.TERMINATED:
             return False
+        latest = self._epochs.get(cluster.job_id, 0)
+        if epoch and epoch < latest:
+            self._stale_terminates += 1
+            raise StaleEpoch(
+                f"stale epoch {epoch} for job {cluster.job_id}: epoch {latest} holds {name}",
+                job_id=str(cluster.job_id),
+            )
         self._terminate(cluster, self.clock.now(), replaced=False)
         return True
 
@@ -407,6 +419,7 @@ class Cloud:
             preempted_total=self._preempted,
             replaced_total=self._replaced,
             stale_launches_rejected=self._stale,
+            stale_terminates_rejected=self._stale_terminates,
             launches_rejected_precheck=self._prechecks,
             launches_without_capacity=self._no_capacity,
             violations=count_violations(self.inventory),

@@ -27,6 +27,7 @@ class CloudState:
     preempted_total: int
     replaced_total: int
     stale_launches_rejected: int
+    stale_terminates_rejected: int
     launches_rejected_precheck: int
     launches_without_capacity: int
     violations: int

@@ -66,7 +66,8 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
         self, request: pb.TerminateRequest, context: Context
     ) -> pb.TerminateResponse:
         self.cloud.check_reachable()
-        return pb.TerminateResponse(terminated=self.cloud.terminate(request.cluster_name))
+        terminated = self.cloud.terminate(request.cluster_name, epoch=request.epoch)
+        return pb.TerminateResponse(terminated=terminated)
 
     @rpc_errors
     async def ReadLogs(
@@ -228,6 +229,7 @@ class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
             preempted_total=state.preempted_total,
             replaced_total=state.replaced_total,
             stale_launches_rejected=state.stale_launches_rejected,
+            stale_terminates_rejected=state.stale_terminates_rejected,
             launches_rejected_precheck=state.launches_rejected_precheck,
             launches_without_capacity=state.launches_without_capacity,
             violations=state.violations,

@@ -425,15 +425,21 @@ class TerminateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     cluster_name: _builtins.str
+    epoch: _builtins.int
+    """The caller's assignment epoch for the cluster's job; 0 for operators. A call
+    below the highest epoch seen for that job is refused (fencing).
+    """
     def __init__(
         self,
         *,
         cluster_name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "epoch", b"epoch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -972,6 +978,7 @@ class GetCloudStateResponse(_message.Message):
     VIOLATIONS_FIELD_NUMBER: _builtins.int
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
     UNREACHABLE_UNTIL_TIME_FIELD_NUMBER: _builtins.int
+    STALE_TERMINATES_REJECTED_FIELD_NUMBER: _builtins.int
     sim_seconds: _builtins.float
     time_scale: _builtins.float
     seed: _builtins.int
@@ -989,6 +996,7 @@ class GetCloudStateResponse(_message.Message):
     violations: _builtins.int
     """Launches that found another cluster of the same (job_id, task_id) live."""
     head_seq: _builtins.int
+    stale_terminates_rejected: _builtins.int
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1017,10 +1025,11 @@ class GetCloudStateResponse(_message.Message):
         violations: _builtins.int = ...,
         head_seq: _builtins.int = ...,
         unreachable_until_time: _timestamp_pb2.Timestamp | None = ...,
+        stale_terminates_rejected: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time", "unreachable_until_time", b"unreachable_until_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_seq", b"head_seq", "launched_total", b"launched_total", "launches_rejected_precheck", b"launches_rejected_precheck", "launches_without_capacity", b"launches_without_capacity", "live_clusters", b"live_clusters", "preempted_total", b"preempted_total", "regions", b"regions", "replaced_total", b"replaced_total", "seed", b"seed", "sim_seconds", b"sim_seconds", "stale_launches_rejected", b"stale_launches_rejected", "start_time", b"start_time", "terminated_total", b"terminated_total", "time_scale", b"time_scale", "unreachable_until_time", b"unreachable_until_time", "unterminated_clusters", b"unterminated_clusters", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_seq", b"head_seq", "launched_total", b"launched_total", "launches_rejected_precheck", b"launches_rejected_precheck", "launches_without_capacity", b"launches_without_capacity", "live_clusters", b"live_clusters", "preempted_total", b"preempted_total", "regions", b"regions", "replaced_total", b"replaced_total", "seed", b"seed", "sim_seconds", b"sim_seconds", "stale_launches_rejected", b"stale_launches_rejected", "stale_terminates_rejected", b"stale_terminates_rejected", "start_time", b"start_time", "terminated_total", b"terminated_total", "time_scale", b"time_scale", "unreachable_until_time", b"unreachable_until_time", "unterminated_clusters", b"unterminated_clusters", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
