@@ -111,17 +111,23 @@ class Link:
     # --- the connection loop ---------------------------------------------------------------
 
     async def run(self) -> None:
-        """Keeps the stream up until cancelled."""
-        async for attempt in AsyncRetrying(
-            wait=wait_exponential_jitter(initial=0.1, max=self._reconnect_max_wait),
-            retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
-            before_sleep=lambda state: log.warning(
-                "scheduler stream down; reconnecting",
-                extra={"address": self.address, "attempt": state.attempt_number},
-            ),
-        ):
-            with attempt:
-                await self._session()
+        """Keeps the stream up until cancelled.
+
+        Reconnects back off exponentially while the scheduler stays away; a stream
+        that was welcomed resets the backoff, so a scheduler restart is met at once
+        rather than after the waits of every earlier outage.
+        """
+        while True:
+            async for attempt in AsyncRetrying(
+                wait=wait_exponential_jitter(initial=0.1, max=self._reconnect_max_wait),
+                retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
+                before_sleep=lambda state: log.warning(
+                    "scheduler stream down; reconnecting",
+                    extra={"address": self.address, "attempt": state.attempt_number},
+                ),
+            ):
+                with attempt:
+                    await self._session()
 
     async def _session(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
@@ -141,13 +147,19 @@ class Link:
                         self._acked(response.ack)
                     else:
                         await self._on_message(response)
+            except grpc.aio.AioRpcError:
+                if heartbeats is None:
+                    raise
+                # A welcomed stream broke: reconnect at once (a fresh backoff).
             finally:
                 self.connected.clear()
                 self._outbox.put_nowait(None)
                 if heartbeats is not None:
                     heartbeats.cancel()
                 self._arm_lease_timer()
-            raise StreamBroken("the scheduler closed the stream")
+            if heartbeats is None:
+                raise StreamBroken("the scheduler closed the stream before welcoming us")
+            log.warning("scheduler stream ended; reconnecting", extra={"address": self.address})
 
     async def _requests(
         self, hello: pb.ConnectControllerRequest

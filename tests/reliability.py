@@ -1,0 +1,1144 @@
+"""The reliability harness: the whole system on PostgreSQL and the sim cloud, chaos, and proof.
+
+Used by `tests/test_reliability.py` (in CI) and `bench/chaos.py` (1,000 jobs). It
+starts the topology of SPEC §13 as real processes (`services.stack.Stack`) on a
+fresh PostgreSQL database and a seeded three-region sim cloud, drives it only
+through its public APIs (JobService, SchedulerService, ControllerService,
+grpc.health.v1 and the sim cloud's operator API), and judges it by what SPEC §9
+and §16 promise:
+
+- every job ends in exactly one terminal status, and no finished task is redone
+  (the database's event log, read in full once the system is quiet);
+- no two launches of one task are live at once, and no cluster is left behind
+  (the sim cloud's inventory: who launched each cluster, with which epoch, and
+  when it was preempted and terminated);
+- a killed replica's jobs are RUNNING again within the lease TTL plus a little.
+
+The chaos soak (`run_soak`) submits jobs with idempotency keys at a steady rate,
+SIGKILLs a random replica at seeded random intervals and restarts it with the
+same controller id after a seeded random delay, then waits (bounded) until
+every job is DONE and computes its figures. Randomness comes from one seed:
+the workload, the kill times, the victims and the cloud's preemptions.
+
+Outcomes are never decided by a bare sleep: waits are on events (WatchJobs),
+health or process state, each with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime as dt
+import heapq
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import threading
+import time
+import uuid
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import asyncpg  # type: ignore[import-untyped]
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
+from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
+from managedjobs.v1 import controller_service_pb2 as cpb
+from managedjobs.v1 import (
+    controller_service_pb2_grpc,
+    job_pb2,
+    job_service_pb2_grpc,
+    scheduler_service_pb2,
+    scheduler_service_pb2_grpc,
+)
+from managedjobs.v1 import job_service_pb2 as pb
+from services.common.statuses import TERMINAL, JobStatus, ScheduleState
+from services.stack import Service, Stack
+
+T = TypeVar("T")
+
+ADMIN_URL = os.environ.get("MJ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+USER = "reliability"
+REGIONS = ("us-east-1", "us-west-2", "eu-west-1")
+# The scheduler's event for a job taken up again by a replica (services/scheduler/admission.py).
+RESUMED_PREFIX = "resumed on "
+ACTIVE_STATUSES = tuple(s for s in JobStatus if s not in TERMINAL)
+# Clients reconnect within a fraction of a second of a restarted server.
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# A submission carries its idempotency key, so any failure that is not a verdict on the
+# request may be retried; CANCELLED comes from a server that began shutting down as the
+# call arrived (grpc.aio cancels calls not yet handed to a handler).
+SUBMIT_RETRYABLE = RETRYABLE | {grpc.StatusCode.CANCELLED}
+
+Log = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    """Runs a coroutine to completion in its own thread (a caller's loop may be running)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------
+
+
+def _admin(admin_url: str, sql: str) -> None:
+    async def run() -> None:
+        conn = await asyncpg.connect(admin_url, timeout=5)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    _run(run())
+
+
+@contextlib.contextmanager
+def fresh_database(admin_url: str = ADMIN_URL) -> Iterator[str]:
+    """A new, empty PostgreSQL database on the server of `admin_url`, dropped afterwards."""
+    name = f"mj_rel_{uuid.uuid4().hex[:10]}"
+    _admin(admin_url, f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{admin_url.rsplit('/', 1)[0]}/{name}"
+    finally:
+        with contextlib.suppress(Exception):
+            _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@dataclasses.dataclass(frozen=True)
+class EventRecord:
+    """One row of the scheduler's event log, with the epoch that wrote it."""
+
+    event_id: int
+    job_id: int
+    task_id: int
+    status: JobStatus
+    schedule_state: ScheduleState
+    time: float
+    message: str
+    epoch: int
+
+
+E = TypeVar("E", JobStatus, ScheduleState)
+
+
+def _enum(kind: type[E], value: object) -> E:
+    """A status stored by name (or by number) as its enum member."""
+    if isinstance(value, str):
+        return kind[value]
+    return kind(int(value))  # type: ignore[call-overload]
+
+
+class Database:
+    """Reads the scheduler's tables directly: the recount and the complete event log.
+
+    The API's JobEvent has no epoch, and a live WatchJobs stream is not a proof
+    of completeness; the database is the only truth (SPEC §2).
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def query(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        async def run() -> list[tuple[Any, ...]]:
+            conn = await asyncpg.connect(self.url, timeout=10)
+            try:
+                return [tuple(r) for r in await conn.fetch(sql, *args)]
+            finally:
+                await conn.close()
+
+        return _run(run())
+
+    def recount(self) -> collections.Counter[tuple[str | None, ScheduleState]]:
+        """Jobs per (controller id, schedule state), in one statement."""
+        rows = self.query("SELECT controller_id, schedule_state, count(*) FROM jobs GROUP BY 1, 2")
+        return collections.Counter({(c, _enum(ScheduleState, s)): int(n) for c, s, n in rows})
+
+    def events(self, after_id: int = 0) -> list[EventRecord]:
+        rows = self.query(
+            "SELECT id, job_id, task_id, status, schedule_state, time, message, epoch "
+            "FROM events WHERE id > $1 ORDER BY id",
+            after_id,
+        )
+        return [
+            EventRecord(
+                event_id=int(i),
+                job_id=int(j),
+                task_id=int(t),
+                status=_enum(JobStatus, s),
+                schedule_state=_enum(ScheduleState, st),
+                time=_seconds(when),
+                message=str(m or ""),
+                epoch=int(e or 0),
+            )
+            for i, j, t, s, st, when, m, e in rows
+        ]
+
+    def assignments(self, job_ids: Iterable[int]) -> dict[int, tuple[str | None, int]]:
+        """job id -> (controller id, epoch) of its current assignment."""
+        rows = self.query(
+            "SELECT id, controller_id, epoch FROM jobs WHERE id = ANY($1::bigint[])",
+            list(job_ids),
+        )
+        return {int(i): (c, int(e)) for i, c, e in rows}
+
+    def idempotency(self, user: str) -> tuple[int, int]:
+        """(rows, distinct idempotency keys) of a user's jobs."""
+        rows = self.query(
+            'SELECT count(*), count(DISTINCT idempotency_key) FROM jobs WHERE "user" = $1', user
+        )
+        return int(rows[0][0]), int(rows[0][1])
+
+
+def _seconds(value: object) -> float:
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value.timestamp()
+    return float(value)  # type: ignore[arg-type]
+
+
+class PostgresServer:
+    """The local PostgreSQL server, stopped and started with pg_ctlcluster (needs root)."""
+
+    def __init__(self, cluster: str = "main") -> None:
+        versions = sorted(os.listdir("/etc/postgresql")) if os.path.isdir("/etc/postgresql") else []
+        self.version = versions[0] if versions else ""
+        self.cluster = cluster
+
+    def why_unavailable(self) -> str:
+        """Empty when this process can stop and start the server, else the reason."""
+        if not shutil.which("pg_ctlcluster") or not self.version:
+            return "pg_ctlcluster or /etc/postgresql is missing"
+        if os.geteuid() != 0:
+            return "stopping PostgreSQL needs root"
+        if not ADMIN_URL.startswith("postgresql://postgres@127.0.0.1:5432/"):
+            return f"MJ_TEST_POSTGRES_URL={ADMIN_URL} is not the local server"
+        return ""
+
+    def _ctl(self, action: str) -> None:
+        subprocess.run(
+            ["pg_ctlcluster", "--skip-systemctl-redirect", self.version, self.cluster, action],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+    def ready(self) -> bool:
+        done = subprocess.run(
+            ["pg_isready", "-h", "127.0.0.1", "-p", "5432", "-q"], check=False, timeout=10
+        )
+        return done.returncode == 0
+
+    def stop(self) -> None:
+        self._ctl("stop")
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Starts the server if it is down and waits until it accepts connections."""
+        if not self.ready():
+            with contextlib.suppress(subprocess.CalledProcessError):
+                self._ctl("start")
+        deadline = time.monotonic() + timeout
+        while not self.ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"PostgreSQL did not come back in {timeout:.0f}s")
+            time.sleep(0.2)
+
+
+# --- the system under test ----------------------------------------------------------------
+
+
+def cloud_config(
+    seed: int,
+    time_scale: float,
+    preemptions_per_hour: float = 0.0,
+    nodes: int = 5000,
+    launch_latency: float = 2.0,
+) -> str:
+    """Three regions with ample spot and on-demand capacity, seeded preemptions."""
+    regions = "\n".join(
+        f"  - {{name: {r}, zones: [{r}a, {r}b], spot_nodes: {nodes}, on_demand_nodes: {nodes}}}"
+        for r in REGIONS
+    )
+    return (
+        f"seed: {seed}\ntime_scale: {time_scale}\nlaunch_latency_seconds: {launch_latency}\n"
+        f"preemptions_per_hour: {preemptions_per_hour}\nregions:\n{regions}\n"
+    )
+
+
+def controller_args(poll_interval: float = 30.0) -> list[str]:
+    """Fast backoff; rare polls, since the sim cloud pushes every cluster change."""
+    return [
+        "--poll-interval", str(poll_interval),
+        "--grace-seconds", "0.2",
+        "--backoff-initial", "0.2",
+        "--backoff-max", "1",
+        "--start-check-interval", "0.1",
+    ]  # fmt: skip
+
+
+def start_stack(
+    data_dir: Path,
+    database_url: str,
+    cloud_yaml: str,
+    replicas: int = 3,
+    lease_ttl: float = 3.0,
+    heartbeat_interval: float = 0.5,
+    scheduler_extra: Sequence[str] = (),
+    controller_extra: Sequence[str] = (),
+) -> Stack:
+    """Starts scheduler (on `database_url`), replicas, logs and the sim cloud; all serving."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = data_dir / "simcloud.yaml"
+    config.write_text(cloud_yaml)
+    stack = Stack(
+        data_dir,
+        replicas=replicas,
+        database_url=database_url,
+        scheduler_args=[
+            "--lease-ttl", str(lease_ttl),
+            "--heartbeat-interval", str(heartbeat_interval),
+            *scheduler_extra,
+        ],
+        controller_args=[*controller_args(), *controller_extra],
+        simcloud_args=["--config", str(config)],
+    )  # fmt: skip
+    try:
+        stack.start(timeout=60)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def job_spec(name: str, runtimes: Sequence[float], spot: bool = True) -> str:
+    """A sim job: one task per runtime (simulated seconds), a chain when there are several."""
+    spot_line = "true" if spot else "false"
+
+    def task(task_name: str, runtime: float) -> str:
+        return (
+            f"name: {task_name}\nresources:\n  use_spot: {spot_line}\nrun: train\n"
+            f"sim: {{runtime_seconds: {runtime:.1f}}}\n"
+        )
+
+    if len(runtimes) == 1:
+        return task(name, runtimes[0])
+    steps = [task(f"step-{i}", r) for i, r in enumerate(runtimes)]
+    return "---\n".join([f"name: {name}\n", *steps])
+
+
+def service_log_lines(stack: Stack, service: str) -> list[dict[str, Any]]:
+    """The JSON lines of one service's log (others, such as tracebacks, as {"msg": line})."""
+    path = stack.data_dir / "service-logs" / f"{service}.log"
+    if not path.exists():
+        return []
+    out: list[dict[str, Any]] = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = {"msg": line}
+        out.append(record if isinstance(record, dict) else {"msg": line})
+    return out
+
+
+def stale_reports_refused(stack: Stack, controller_id: str | None = None) -> int:
+    """How many reports the scheduler refused as stale (its "stale report" warnings)."""
+    return sum(
+        1
+        for r in service_log_lines(stack, "scheduler")
+        if r.get("msg") == "stale report"
+        and (controller_id is None or r.get("controller_id") == controller_id)
+    )
+
+
+class Client:
+    """Blocking clients of every API the harness uses, with fast reconnects."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self._lock = threading.Lock()
+        self._channels: dict[str, grpc.Channel] = {}
+        self.jobs = job_service_pb2_grpc.JobServiceStub(self.channel(stack.scheduler_address))
+        self.scheduler = scheduler_service_pb2_grpc.SchedulerServiceStub(
+            self.channel(stack.scheduler_address)
+        )
+        self.cloud = spb_grpc.SimOperatorServiceStub(self.channel(stack.simcloud_address))
+        # Submission retries by status code name.
+        self.retried: collections.Counter[str] = collections.Counter()
+
+    def channel(self, address: str) -> grpc.Channel:
+        with self._lock:
+            if address not in self._channels:
+                self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            return self._channels[address]
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def submit(self, spec: str, key: str, user: str = USER, deadline: float = 120.0) -> int:
+        """Submits with an idempotency key, retrying UNAVAILABLE (and the like) with the same key.
+
+        Returns:
+            The job id (the first one's, for a key seen before).
+        """
+        request = pb.SubmitJobRequest(spec_yaml=spec, user=user, idempotency_key=key)
+        give_up = time.monotonic() + deadline
+        delay = 0.05
+        while True:
+            try:
+                return int(self.jobs.SubmitJob(request, timeout=10).job_id)
+            except grpc.RpcError as error:
+                if error.code() not in SUBMIT_RETRYABLE or time.monotonic() > give_up:
+                    raise
+                with self._lock:
+                    self.retried[error.code().name] += 1
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
+
+    def _retrying(self, call: Callable[[], T], deadline: float = 60.0) -> T:
+        give_up = time.monotonic() + deadline
+        while True:
+            try:
+                return call()
+            except grpc.RpcError as error:
+                if error.code() not in RETRYABLE or time.monotonic() > give_up:
+                    raise
+            time.sleep(0.2)
+
+    def list_jobs(self, user: str = USER, statuses: Sequence[JobStatus] = ()) -> list[job_pb2.Job]:
+        """Every job of `user` (all pages), newest first."""
+        out: list[job_pb2.Job] = []
+        token = ""
+        while True:
+            request = pb.ListJobsRequest(user=user, page_size=1000, page_token=token)
+            request.statuses.extend(int(s) for s in statuses)  # type: ignore[misc]
+            reply = self._list(request)
+            out.extend(reply.jobs)
+            token = reply.next_page_token
+            if not token:
+                return out
+
+    def _list(self, request: pb.ListJobsRequest) -> pb.ListJobsResponse:
+        return self._retrying(lambda: self.jobs.ListJobs(request, timeout=30))
+
+    def get_job(self, job_id: int) -> job_pb2.Job:
+        request = pb.GetJobRequest(job_id=job_id)
+        return self._retrying(lambda: self.jobs.GetJob(request, timeout=10).job)
+
+    def held_by(self, controller_id: str, user: str = USER) -> list[int]:
+        """Unfinished jobs assigned to a replica right now."""
+        jobs = self.list_jobs(user, ACTIVE_STATUSES)
+        return sorted(j.job_id for j in jobs if j.controller_id == controller_id)
+
+    def cancel(self, job_ids: Sequence[int]) -> None:
+        request = pb.CancelJobsRequest(job_ids=list(job_ids))
+        self._retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
+
+    def cancel_all(self, user: str = USER) -> None:
+        request = pb.CancelJobsRequest(all=True, user=user)
+        self._retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
+
+    def scheduler_state(self) -> scheduler_service_pb2.GetSchedulerStateResponse:
+        request = scheduler_service_pb2.GetSchedulerStateRequest()
+        return self._retrying(lambda: self.scheduler.GetSchedulerState(request, timeout=10))
+
+    def controller_state(self, service: Service) -> cpb.GetControllerStateResponse:
+        stub = controller_service_pb2_grpc.ControllerServiceStub(self.channel(service.address))
+        request = cpb.GetControllerStateRequest()
+        return self._retrying(lambda: stub.GetControllerState(request, timeout=10))
+
+    def inventory(self) -> list[spb.Cluster]:
+        """Every cluster the sim cloud ever launched, in launch order."""
+        out: list[spb.Cluster] = []
+        token = ""
+        while True:
+            request = spb.ListInventoryRequest(page_size=10000, page_token=token)
+            reply = self.cloud.ListInventory(request, timeout=30)
+            out.extend(reply.clusters)
+            token = reply.next_page_token
+            if not token:
+                return out
+
+    def cloud_state(self) -> spb.GetCloudStateResponse:
+        return self.cloud.GetCloudState(spb.GetCloudStateRequest(), timeout=10)
+
+    def health(self, address: str, timeout: float = 1.0) -> int | None:
+        """The server's overall grpc.health.v1 status, or None when it does not answer."""
+        stub = health_pb2_grpc.HealthStub(self.channel(address))
+        try:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return None
+        return int(reply.status)
+
+
+SERVING = int(health_pb2.HealthCheckResponse.SERVING)
+NOT_SERVING = int(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+
+class EventLog:
+    """Follows WatchJobs for every job from event 0, across scheduler restarts.
+
+    It is how the harness waits (for a status, for DONE) without polling. It is
+    not the proof: the complete log is read from the database at the end.
+    """
+
+    def __init__(self, address: str) -> None:
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
+        self._changed = threading.Condition()
+        self.by_job: dict[int, list[job_pb2.JobEvent]] = collections.defaultdict(list)
+        self.done: set[int] = set()
+        self.last_id = 0
+        self.reconnects = 0
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name="event-log", daemon=True)
+
+    def start(self) -> EventLog:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(10)
+        self._channel.close()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._call = self._stub.WatchJobs(pb.WatchJobsRequest(after_event_id=self.last_id))
+                for response in self._call:
+                    self._add(response.event)
+            except grpc.RpcError:
+                pass
+            if self._stop.wait(0.2):
+                return
+            self.reconnects += 1
+
+    def _add(self, event: job_pb2.JobEvent) -> None:
+        with self._changed:
+            self.last_id = max(self.last_id, event.event_id)
+            self.by_job[event.job_id].append(event)
+            if event.schedule_state == ScheduleState.DONE:
+                self.done.add(event.job_id)
+            self._changed.notify_all()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Waits until `predicate()` (called under the log's lock) holds, or the timeout."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._changed.wait(min(left, 1.0))
+            return True
+
+    def wait_done(
+        self,
+        job_ids: Iterable[int],
+        timeout: float,
+        client: Client | None = None,
+        progress: Log = _quiet,
+    ) -> set[int]:
+        """Waits until every job is DONE; returns those that are not by the deadline.
+
+        A live stream can miss an event (a reconnect lands between two commits);
+        with `client`, jobs not seen DONE are checked with ListJobs every few seconds.
+        """
+        wanted = set(job_ids)
+        deadline = time.monotonic() + timeout
+        next_check = time.monotonic() + 5.0
+        while True:
+            with self._changed:
+                left = wanted - self.done
+            if not left:
+                return set()
+            now = time.monotonic()
+            if now > deadline:
+                return left
+            if client is not None and now >= next_check:
+                finished = {
+                    j.job_id for j in client.list_jobs() if j.schedule_state == ScheduleState.DONE
+                }
+                with self._changed:
+                    self.done |= finished & left
+                progress(f"{len(wanted) - len(left - finished)}/{len(wanted)} jobs done")
+                next_check = now + 5.0
+                continue
+            self.wait_for(lambda: not (wanted - self.done), min(deadline, next_check) - now)
+
+
+# --- figures and invariants ---------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _ts(stamp: Any) -> float | None:
+    return stamp.ToNanoseconds() / 1e9 if stamp.ToNanoseconds() else None
+
+
+def overlapping_launches(clusters: Sequence[spb.Cluster]) -> list[str]:
+    """Launches of a (job, task) made while another cluster of it was still live.
+
+    A cluster is live from its launch until it was preempted or terminated. Two
+    live clusters of one task mean two launches of one task attempt.
+    """
+    by_task: dict[tuple[int, int], list[spb.Cluster]] = collections.defaultdict(list)
+    for cluster in clusters:
+        by_task[(cluster.job_id, cluster.task_id)].append(cluster)
+    found: list[str] = []
+    for (job_id, task_id), group in by_task.items():
+        latest_end = -math.inf
+        latest: spb.Cluster | None = None
+        for cluster in sorted(group, key=lambda c: (_ts(c.launch_time) or 0.0, c.cluster_id)):
+            launched = _ts(cluster.launch_time) or 0.0
+            if latest is not None and latest_end > launched:
+                found.append(
+                    f"job {job_id} task {task_id}: cluster {cluster.cluster_id} (epoch "
+                    f"{cluster.epoch}) launched while cluster {latest.cluster_id} (epoch "
+                    f"{latest.epoch}) was live"
+                )
+            ends = [t for t in (_ts(cluster.preempt_time), _ts(cluster.terminate_time)) if t]
+            end = min(ends) if ends else math.inf
+            if end > latest_end:
+                latest_end, latest = end, cluster
+    return found
+
+
+def describe_cluster(cluster: spb.Cluster) -> str:
+    """One inventory record, with its times as wall-clock seconds, for failure messages."""
+    times = {
+        field: _ts(getattr(cluster, f"{field}_time"))
+        for field in ("launch", "up", "task_end", "preempt", "terminate")
+    }
+    when = " ".join(f"{k}={v:.3f}" for k, v in times.items() if v is not None)
+    status = spb.ClusterStatus.Name(cluster.status)
+    return f"{cluster.name}#{cluster.cluster_id} epoch {cluster.epoch} {status} {when}"
+
+
+def describe_job(client: Client, db: Database | None, job_id: int) -> str:
+    """A job's clusters (inventory), events (database, with epochs) and lifecycle log."""
+    clusters = client.cloud.ListInventory(
+        spb.ListInventoryRequest(page_size=100, job_id=job_id), timeout=30
+    ).clusters
+    lines = [f"job {job_id} clusters:"] + [f"  {describe_cluster(c)}" for c in clusters]
+    if db is not None:
+        events = db.query(
+            "SELECT id, task_id, status, schedule_state, time, message, epoch FROM events "
+            "WHERE job_id = $1 ORDER BY id",
+            job_id,
+        )
+        lines.append(f"job {job_id} events (id task status state time message epoch):")
+        for event_id, task_id, status, state, when, message, epoch in events:
+            lines.append(
+                f"  {event_id} {task_id} {status} {state} {_seconds(when):.3f} {message!r} {epoch}"
+            )
+    lifecycle = client.stack.data_dir / "logs" / str(job_id) / "controller.log"
+    if lifecycle.exists():
+        lines.append(f"job {job_id} lifecycle log ({lifecycle}):")
+        lines += [f"  {line}" for line in lifecycle.read_text(errors="replace").splitlines()]
+    return "\n".join(lines)
+
+
+def cloud_problems(client: Client, db: Database | None = None) -> tuple[list[str], dict[str, int]]:
+    """No duplicate launch, no cluster left: from the inventory and the cloud's counters.
+
+    With `db`, a leaked cluster's problem carries its job's clusters and events.
+    """
+    problems: list[str] = []
+    state = client.cloud_state()
+    inventory = client.inventory()
+    left = [c for c in inventory if not c.HasField("terminate_time")]
+    overlaps = overlapping_launches(inventory)
+    if left:
+        names = ", ".join(f"{c.name}#{c.cluster_id}" for c in left[:10])
+        problems.append(f"{len(left)} clusters never terminated: {names}")
+        for job_id in sorted({c.job_id for c in left})[:3]:
+            problems.append(describe_job(client, db, job_id))
+    if state.unterminated_clusters:
+        problems.append(f"the cloud counts {state.unterminated_clusters} unterminated clusters")
+    if state.violations:
+        problems.append(f"the cloud counts {state.violations} duplicate launches (violations)")
+    if state.replaced_total:
+        problems.append(f"{state.replaced_total} launches replaced a live cluster of the task")
+    problems.extend(overlaps[:20])
+    figures = {
+        "launches": int(state.launched_total),
+        "preemptions": int(state.preempted_total),
+        "clusters_left": len(left),
+        "duplicate_launches": int(state.violations) + int(state.replaced_total) + len(overlaps),
+        "stale_launches_rejected": int(state.stale_launches_rejected),
+        "stale_terminates_rejected": int(state.stale_terminates_rejected),
+    }
+    return problems, figures
+
+
+def event_problems(events: Sequence[EventRecord], job_ids: Iterable[int]) -> list[str]:
+    """Exactly one DONE per job; a task's terminal status never changes; none is redone."""
+    wanted = set(job_ids)
+    by_job: dict[int, list[EventRecord]] = collections.defaultdict(list)
+    for event in events:
+        if event.job_id in wanted:
+            by_job[event.job_id].append(event)
+    problems: list[str] = []
+    for job_id in sorted(wanted):
+        job_events = by_job.get(job_id, [])
+        done = [e for e in job_events if e.schedule_state == ScheduleState.DONE]
+        if len(done) != 1:
+            problems.append(f"job {job_id}: {len(done)} DONE events")
+        first_terminal: dict[int, EventRecord] = {}
+        for event in job_events:
+            seen = first_terminal.get(event.task_id)
+            if seen is None:
+                if event.status in TERMINAL:
+                    first_terminal[event.task_id] = event
+            elif event.status != seen.status:
+                problems.append(
+                    f"job {job_id} task {event.task_id}: {seen.status.name} (event "
+                    f"{seen.event_id}) then {event.status.name} (event {event.event_id}: "
+                    f"{event.message!r})"
+                )
+                break
+    return problems
+
+
+def job_problems(
+    jobs: Sequence[job_pb2.Job], cancelled: Iterable[int] = (), expect_success: bool = True
+) -> list[str]:
+    """Every job DONE with a terminal status, every task terminal; successes as expected."""
+    cancelled = set(cancelled)
+    problems: list[str] = []
+    for job in jobs:
+        status = JobStatus(job.status)
+        where = f"job {job.job_id} ({job.name})"
+        if job.schedule_state != ScheduleState.DONE:
+            problems.append(f"{where}: not DONE but {ScheduleState(job.schedule_state).name}")
+        if status not in TERMINAL:
+            problems.append(f"{where}: ended {status.name}, not a terminal status")
+        for task in job.tasks:
+            if JobStatus(task.status) not in TERMINAL:
+                problems.append(f"{where} task {task.task_id}: {JobStatus(task.status).name}")
+        if not expect_success:
+            continue
+        allowed = {JobStatus.CANCELLED, JobStatus.SUCCEEDED}
+        if job.job_id not in cancelled:
+            allowed = {JobStatus.SUCCEEDED}
+        if status in TERMINAL and status not in allowed:
+            problems.append(f"{where}: ended {status.name}: {job.failure_reason!r}")
+    return problems
+
+
+# --- chaos --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Kill:
+    """One SIGKILL of a replica: when (wall clock), which, the jobs it held."""
+
+    controller_id: str
+    time: float
+    held: list[int]
+    restarted_at: float = 0.0
+
+
+class Chaos:
+    """SIGKILLs a random replica at random intervals and restarts it with the same id.
+
+    One thread, one seeded RNG: the victims and the intervals are the same for the
+    same seed. Kills are sequential: the victim is serving again before the next
+    kill, so at most one replica is down at a time.
+    """
+
+    def __init__(
+        self,
+        stack: Stack,
+        client: Client,
+        seed: int,
+        interval: tuple[float, float],
+        restart_delay: tuple[float, float],
+        log: Log = _quiet,
+    ) -> None:
+        self.stack = stack
+        self.client = client
+        self.rng = random.Random(seed)
+        self.interval = interval
+        self.restart_delay = restart_delay
+        self.log = log
+        self.kills: list[Kill] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
+
+    def start(self) -> Chaos:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stops the kills; every replica is serving when it returns."""
+        self._stop.set()
+        self._thread.join(120)
+        for service in self.stack.controllers:
+            if not service.running:
+                self._restart(service)
+
+    def _restart(self, service: Service) -> None:
+        try:
+            service.start()
+            service.wait_serving(60)
+        except (RuntimeError, TimeoutError) as error:
+            self.errors.append(f"restart of {service.name} failed: {error}")
+
+    def _run(self) -> None:
+        next_kill = time.monotonic() + self.rng.uniform(*self.interval)
+        while not self._stop.wait(max(0.0, next_kill - time.monotonic())):
+            victim = self.rng.choice(self.stack.controllers)
+            delay = self.rng.uniform(*self.restart_delay)
+            gap = self.rng.uniform(*self.interval)
+            try:
+                held = self.client.held_by(victim.name)
+            except grpc.RpcError as error:
+                self.errors.append(f"cannot list the jobs of {victim.name}: {error}")
+                held = []
+            killed_at = time.monotonic()
+            kill = Kill(victim.name, time.time(), held)
+            victim.kill()
+            self.kills.append(kill)
+            self.log(f"killed {victim.name} holding {len(held)} jobs")
+            self._stop.wait(delay)
+            self._restart(victim)
+            kill.restarted_at = time.time()
+            next_kill = killed_at + gap
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """When a job held by a killed replica was RUNNING again, and where."""
+
+    job_id: int
+    kill_time: float
+    killed: str
+    seconds: float
+    resumed_on: str
+    # True when the job moved because the lease expired, False when the restarted
+    # replica came back first (its hello no longer named the job).
+    lease_expired: bool
+
+
+def resumes(kills: Sequence[Kill], events: Sequence[EventRecord]) -> tuple[list[Resume], list[str]]:
+    """From the event log: for every job a killed replica held, the time until it RUNS again.
+
+    After the kill, the scheduler hands the job to a replica ("resumed on X");
+    the job is RUNNING again at that event when its task was RUNNING (it is
+    watched again), else at its next RUNNING event (relaunched). Jobs that ended
+    before being resumed give no sample. A held job that is never resumed and
+    never ends is a problem.
+    """
+    by_job: dict[int, list[EventRecord]] = collections.defaultdict(list)
+    for event in events:
+        by_job[event.job_id].append(event)
+    out: list[Resume] = []
+    problems: list[str] = []
+    for kill in kills:
+        for job_id in kill.held:
+            after = [e for e in by_job.get(job_id, []) if e.time >= kill.time]
+            resumed_index = next(
+                (i for i, e in enumerate(after) if e.message.startswith(RESUMED_PREFIX)), None
+            )
+            done_index = next(
+                (i for i, e in enumerate(after) if e.schedule_state == ScheduleState.DONE), None
+            )
+            if resumed_index is None or (done_index is not None and done_index < resumed_index):
+                if done_index is None:
+                    problems.append(
+                        f"job {job_id}, held by {kill.controller_id} when killed, was never resumed"
+                    )
+                continue
+            resumed = after[resumed_index]
+            expired = any("expired" in e.message for e in after[:resumed_index])
+            running = next(
+                (
+                    e
+                    for e in after[resumed_index:]
+                    if e.status == JobStatus.RUNNING or e.status in TERMINAL
+                ),
+                None,
+            )
+            if running is None or running.status != JobStatus.RUNNING:
+                continue
+            out.append(
+                Resume(
+                    job_id=job_id,
+                    kill_time=kill.time,
+                    killed=kill.controller_id,
+                    seconds=running.time - kill.time,
+                    resumed_on=resumed.message[len(RESUMED_PREFIX) :].strip(),
+                    lease_expired=expired,
+                )
+            )
+    return out, problems
+
+
+# --- the soak -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SoakConfig:
+    """A chaos soak. Durations are real seconds unless named simulated."""
+
+    jobs: int = 300
+    replicas: int = 3
+    seed: int = 1
+    # Kills go on for at least this long, every `kill_interval` seconds.
+    chaos_seconds: float = 125.0
+    kill_interval: tuple[float, float] = (5.0, 10.0)
+    restart_delay: tuple[float, float] = (0.5, 4.5)
+    # Submissions are spread evenly over this window.
+    submit_seconds: float = 105.0
+    lease_ttl: float = 3.0
+    heartbeat_interval: float = 0.5
+    time_scale: float = 10.0
+    # Simulated seconds a task runs, drawn uniformly.
+    runtime_seconds: tuple[float, float] = (40.0, 120.0)
+    chain_fraction: float = 0.2
+    cancel_fraction: float = 0.05
+    preemptions_per_hour: float = 20.0
+    # After the chaos stops, the longest wait for every job to be DONE.
+    drain_timeout: float = 180.0
+
+
+@dataclasses.dataclass
+class SoakReport:
+    figures: dict[str, Any]
+    problems: list[str]
+    kills: list[Kill] = dataclasses.field(default_factory=list)
+    resumes: list[Resume] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Action:
+    at: float
+    index: int
+    cancel: bool
+
+
+class Workload:
+    """Submits the soak's jobs at a steady rate (with idempotency keys) and cancels a few."""
+
+    def __init__(self, client: Client, config: SoakConfig, log: Log = _quiet) -> None:
+        self.client = client
+        self.config = config
+        self.log = log
+        rng = random.Random(config.seed * 7919 + 1)
+        self.run_id = uuid.uuid4().hex[:8]
+        self.specs: list[str] = []
+        actions: list[_Action] = []
+        step = config.submit_seconds / max(1, config.jobs)
+        for index in range(config.jobs):
+            tasks = 2 if rng.random() < config.chain_fraction else 1
+            runtimes = [rng.uniform(*config.runtime_seconds) for _ in range(tasks)]
+            self.specs.append(job_spec(f"soak-{index}", runtimes))
+            actions.append(_Action(index * step, index, False))
+            if rng.random() < config.cancel_fraction:
+                # Somewhere in the job's life: queued, launching, running or recovering.
+                actions.append(_Action(index * step + rng.uniform(0.5, 10.0), index, True))
+        self._actions = sorted(actions, key=lambda a: (a.at, a.cancel, a.index))
+        self.job_ids: dict[int, int] = {}
+        self.cancelled: set[int] = set()
+        self.errors: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="workload", daemon=True)
+
+    def key(self, index: int) -> str:
+        return f"soak-{self.run_id}-{index}"
+
+    def start(self) -> Workload:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        heap = [(a.at, n, a) for n, a in enumerate(self._actions)]
+        heapq.heapify(heap)
+        while heap:
+            at, _, action = heapq.heappop(heap)
+            wait = start + at - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)  # pacing the workload, not deciding an outcome
+            try:
+                if action.cancel:
+                    job_id = self.job_ids.get(action.index)
+                    if job_id is not None:
+                        self.client.cancel([job_id])
+                        self.cancelled.add(job_id)
+                    continue
+                job_id = self.client.submit(self.specs[action.index], self.key(action.index))
+                self.job_ids[action.index] = job_id
+            except grpc.RpcError as error:
+                what = "cancel" if action.cancel else "submit"
+                self.errors.append(f"{what} of job #{action.index} failed: {error.code()}")
+
+
+def run_soak(
+    config: SoakConfig, data_dir: Path, admin_url: str = ADMIN_URL, log: Log = _quiet
+) -> SoakReport:
+    """Runs one chaos soak end to end on a fresh database and returns its figures and problems."""
+    with fresh_database(admin_url) as url:
+        stack = start_stack(
+            data_dir,
+            url,
+            cloud_config(config.seed, config.time_scale, config.preemptions_per_hour),
+            replicas=config.replicas,
+            lease_ttl=config.lease_ttl,
+            heartbeat_interval=config.heartbeat_interval,
+        )
+        client = Client(stack)
+        events = EventLog(stack.scheduler_address).start()
+        chaos = Chaos(stack, client, config.seed, config.kill_interval, config.restart_delay, log)
+        try:
+            started = time.monotonic()
+            workload = Workload(client, config, log).start()
+            chaos.start()
+            workload.join(config.submit_seconds + 300)
+            chaos_left = started + config.chaos_seconds - time.monotonic()
+            if chaos_left > 0:
+                time.sleep(chaos_left)  # the soak's length: kills go on meanwhile
+            chaos.stop()
+            chaos_seconds = time.monotonic() - started
+            log(f"chaos over after {chaos_seconds:.0f}s and {len(chaos.kills)} kills; draining")
+            ids = set(workload.job_ids.values())
+            not_done = events.wait_done(ids, config.drain_timeout, client, log)
+            duration = time.monotonic() - started
+            report = analyse_soak(config, stack, client, Database(url), chaos, workload, not_done)
+            report.figures["chaos_seconds"] = round(chaos_seconds, 1)
+            report.figures["duration_seconds"] = round(duration, 1)
+            report.figures["watch_reconnects"] = events.reconnects
+            return report
+        finally:
+            events.close()
+            client.close()
+            stack.stop()
+
+
+def analyse_soak(
+    config: SoakConfig,
+    stack: Stack,
+    client: Client,
+    db: Database,
+    chaos: Chaos,
+    workload: Workload,
+    not_done: set[int],
+) -> SoakReport:
+    problems: list[str] = [*chaos.errors, *workload.errors]
+    ids = set(workload.job_ids.values())
+    if len(workload.job_ids) != config.jobs:
+        problems.append(f"{config.jobs - len(workload.job_ids)} submissions never got an id")
+    if len(ids) != len(workload.job_ids):
+        problems.append(f"{len(workload.job_ids) - len(ids)} keys were answered with another's id")
+    if not_done:
+        problems.append(f"{len(not_done)} jobs not DONE in time: {_diagnose(client, not_done)}")
+    jobs = client.list_jobs()
+    listed = {j.job_id for j in jobs}
+    if listed != ids:
+        problems.append(
+            f"listed jobs differ from submitted: {len(listed - ids)} unexpected, "
+            f"{len(ids - listed)} missing"
+        )
+    problems.extend(job_problems(jobs, workload.cancelled)[:50])
+    events = db.events()
+    problems.extend(event_problems(events, ids)[:50])
+    cloud, cloud_figures = cloud_problems(client, db)
+    problems.extend(cloud)
+    samples, lost = resumes(chaos.kills, events)
+    problems.extend(lost[:50])
+    exited = [s.name for s in stack.exited()]
+    if exited:
+        problems.append(f"services exited: {', '.join(exited)}")
+    seconds = [r.seconds for r in samples]
+    after_expiry = [r.seconds for r in samples if r.lease_expired]
+    statuses = collections.Counter(JobStatus(j.status).name for j in jobs)
+    p50, p99 = percentile(seconds, 50), percentile(seconds, 99)
+    figures: dict[str, Any] = {
+        "jobs": len(jobs),
+        "replicas": config.replicas,
+        "seed": config.seed,
+        "kills": len(chaos.kills),
+        "jobs_held_at_kills": sum(len(k.held) for k in chaos.kills),
+        "lease_ttl_seconds": config.lease_ttl,
+        "resume_samples": len(samples),
+        "resumed_elsewhere": sum(r.resumed_on != r.killed for r in samples),
+        "resume_p50_seconds": _rounded(p50),
+        "resume_p99_seconds": _rounded(p99),
+        "resume_max_seconds": _rounded(max(seconds) if seconds else None),
+        "resume_target_seconds": config.lease_ttl + 2.0,
+        # Kills whose replica was still down when its lease ran out: the §15 figure proper.
+        "resume_after_expiry_samples": len(after_expiry),
+        "resume_after_expiry_p50_seconds": _rounded(percentile(after_expiry, 50)),
+        "resume_after_expiry_p99_seconds": _rounded(percentile(after_expiry, 99)),
+        **cloud_figures,
+        "recoveries": sum(j.recovery_count for j in jobs),
+        "cancel_requests": len(workload.cancelled),
+        "statuses": dict(sorted(statuses.items())),
+        "stale_reports_refused": stale_reports_refused(stack),
+        "submit_retries": dict(client.retried),
+        "events": len(events),
+        "problems": len(problems),
+    }
+    return SoakReport(figures, problems, list(chaos.kills), samples)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _diagnose(client: Client, job_ids: Iterable[int], limit: int = 10) -> str:
+    """A few stuck jobs, with where they are, for a failure message."""
+    parts: list[str] = []
+    for job_id in sorted(job_ids)[:limit]:
+        try:
+            job = client.get_job(job_id)
+        except grpc.RpcError as error:
+            parts.append(f"{job_id}: {error.code()}")
+            continue
+        parts.append(
+            f"{job_id}: {JobStatus(job.status).name}/{ScheduleState(job.schedule_state).name} "
+            f"on {job.controller_id or '-'}"
+        )
+    return "; ".join(parts)
