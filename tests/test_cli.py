@@ -6,6 +6,7 @@ fake service logic); the unreachable case runs `mj` as a real process.
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -559,3 +560,31 @@ def test_logs_passes_task_tail_and_follow(
     request = logs.requests[0]
     assert request.HasField("task_id") and request.task_id == 1
     assert (request.tail_lines, request.follow, request.controller) == (20, False, False)
+
+
+def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None:
+    """mj launch keys its submission, so it retries safely until the scheduler answers."""
+    from services.stack import free_port, wait_serving
+
+    port = free_port()
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: late\nrun: echo hi\n")
+    env = {**os.environ, "MJ_SCHEDULER_ADDRESS": f"127.0.0.1:{port}"}
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "launch", str(spec), "--detach"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    time.sleep(0.5)  # the first attempts find nothing listening
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "services.scheduler.main", "--port", str(port),
+         "--data-dir", str(tmp_path / "data")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        wait_serving(f"127.0.0.1:{port}")
+        out, err = launch.communicate(timeout=30)
+        assert launch.returncode == 0, err
+        assert "Job 1 submitted." in out
+    finally:
+        scheduler.terminate()
+        scheduler.wait(15)

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 
 import grpc
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from managedjobs.v1 import (
     job_pb2,
@@ -51,6 +52,20 @@ def _calling(service: str, address: str) -> Iterator[None]:
         code = error.code() if isinstance(error, grpc.Call) else grpc.StatusCode.UNKNOWN
         details = error.details() if isinstance(error, grpc.Call) else str(error)
         raise ServiceError(service, address, code, details or "") from None
+
+
+SUBMIT_ATTEMPTS = 6
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(exc, grpc.RpcError) and exc.code() in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.CANCELLED,
+    )
+
+
+def _never(exc: BaseException) -> bool:
+    return False
 
 
 class Client:
@@ -100,9 +115,17 @@ class Client:
         return log_service_pb2_grpc.LogServiceStub(self._channel(self.logs_address))
 
     def submit_job(self, request: job_service_pb2.SubmitJobRequest) -> int:
+        """Submits; with an idempotency key, a scheduler restarting meanwhile is ridden out
+        (the key makes a repeat return the first job, never a second one)."""
+        retrying = Retrying(
+            retry=retry_if_exception(_transient if request.idempotency_key else _never),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            stop=stop_after_attempt(SUBMIT_ATTEMPTS),
+            reraise=True,
+        )
         with _calling(SCHEDULER, self.scheduler_address):
-            response = self._jobs().SubmitJob(
-                request, timeout=self._timeout, metadata=self._metadata
+            response = retrying(
+                self._jobs().SubmitJob, request, timeout=self._timeout, metadata=self._metadata
             )
         return response.job_id
 

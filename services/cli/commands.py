@@ -11,6 +11,7 @@ import argparse
 import itertools
 import sys
 import time
+import uuid
 from collections.abc import Iterable
 
 from managedjobs.v1 import job_pb2, job_service_pb2, log_service_pb2
@@ -68,7 +69,8 @@ def launch(client: Client, args: argparse.Namespace) -> int:
         priority=args.priority,
         envs=dict(args.env),
         user=args.user,
-        idempotency_key=args.idempotency_key or "",
+        # A key of its own makes retrying the submission safe.
+        idempotency_key=args.idempotency_key or f"mj-launch-{uuid.uuid4()}",
     )
     job_id = client.submit_job(request)
     print(f"Job {job_id} submitted.", flush=True)
