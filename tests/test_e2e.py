@@ -18,6 +18,7 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
+from e2e import assert_no_tracebacks, mj
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as pb
@@ -41,34 +42,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     data = tmp_path_factory.mktemp("stack")
     with Stack(data, replicas=2, controller_args=FAST) as running:
         yield running
-    service_logs = data / "service-logs"
-    for path in sorted(service_logs.glob("*.log")):
-        text = path.read_text(errors="replace")
-        assert "Traceback" not in text, f"{path.name}:\n{text[-3000:]}"
+    assert_no_tracebacks(data)
 
 
 @pytest.fixture(scope="module")
 def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
     with grpc.insecure_channel(stack.scheduler_address) as channel:
         yield job_service_pb2_grpc.JobServiceStub(channel)
-
-
-def mj(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "MJ_SCHEDULER_ADDRESS": stack.scheduler_address,
-        "MJ_LOGS_ADDRESS": stack.logs_address,
-        "MJ_USER": "e2e",
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def wait_job(

@@ -8,15 +8,13 @@ capacity, so spot launches fail over to the second.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from e2e import assert_no_tracebacks, mj
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
@@ -58,9 +56,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         simcloud_args=["--config", str(config)],
     ) as running:
         yield running
-    for path in sorted((data / "service-logs").glob("*.log")):
-        text = path.read_text(errors="replace")
-        assert "Traceback" not in text, f"{path.name}:\n{text[-3000:]}"
+    assert_no_tracebacks(data)
 
 
 @pytest.fixture(scope="module")
@@ -73,24 +69,6 @@ def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
 def cloud(stack: Stack) -> Iterator[spb_grpc.SimOperatorServiceStub]:
     with grpc.insecure_channel(stack.simcloud_address) as channel:
         yield spb_grpc.SimOperatorServiceStub(channel)
-
-
-def mj(stack: Stack, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "MJ_SCHEDULER_ADDRESS": stack.scheduler_address,
-        "MJ_LOGS_ADDRESS": stack.logs_address,
-        "MJ_USER": "e2e",
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def submit(jobs: job_service_pb2_grpc.JobServiceStub, spec: str) -> int:

@@ -1,0 +1,38 @@
+"""Helpers the end-to-end tests share: running `mj` against a stack, checking service logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from services.stack import Stack
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def mj(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Runs the real `mj` client against the stack, as user e2e."""
+    env = {
+        **os.environ,
+        "MJ_SCHEDULER_ADDRESS": stack.scheduler_address,
+        "MJ_LOGS_ADDRESS": stack.logs_address,
+        "MJ_USER": "e2e",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def assert_no_tracebacks(data_dir: Path) -> None:
+    """No service logged an unexpected exception while the test ran."""
+    for path in sorted((data_dir / "service-logs").glob("*.log")):
+        text = path.read_text(errors="replace")
+        assert "Traceback" not in text, f"{path.name}:\n{text[-3000:]}"
