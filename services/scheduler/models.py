@@ -9,6 +9,7 @@ well with any SQL client.
 from __future__ import annotations
 
 import datetime as dt
+from typing import cast
 
 from sqlalchemy import (
     BigInteger,
@@ -18,6 +19,7 @@ from sqlalchemy import (
     Index,
     Integer,
     String,
+    Table,
     Text,
     UniqueConstraint,
 )
@@ -108,3 +110,9 @@ class EventRow(Base):
     # The assignment epoch that wrote it (0 for the scheduler's own changes).
     epoch: Mapped[int] = mapped_column(BigInteger, default=0)
     _sentinel: Mapped[int | None] = orm_insert_sentinel()
+
+
+# The tables themselves, for Core statements on hot paths (bulk inserts).
+JOBS = cast(Table, JobRow.__table__)
+TASKS = cast(Table, TaskRow.__table__)
+EVENTS = cast(Table, EventRow.__table__)

@@ -33,7 +33,7 @@ from services.common.statuses import (
 from services.scheduler import convert
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
-from services.scheduler.models import EventRow, JobRow, TaskRow
+from services.scheduler.models import EVENTS, JOBS, TASKS, EventRow, JobRow, TaskRow
 from services.scheduler.spec import resources_summary
 
 S = JobStatus
@@ -156,12 +156,12 @@ class Store:
                 state = schedule_transition(St.INACTIVE, St.WAITING)
                 ids = (
                     await session.scalars(
-                        insert(JobRow).returning(JobRow.id, sort_by_parameter_order=True),
+                        insert(JOBS).returning(JobRow.id, sort_by_parameter_order=True),
                         [_job_values(jobs[i], state, now) for i in fresh],
                     )
                 ).all()
                 await session.execute(
-                    insert(TaskRow),
+                    insert(TASKS),
                     [
                         _task_values(job_id, task_id, spec)
                         for job_id, i in zip(ids, fresh, strict=True)
@@ -182,7 +182,7 @@ class Store:
                 ]
                 event_ids = (
                     await session.scalars(
-                        insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True),
+                        insert(EVENTS).returning(EventRow.id, sort_by_parameter_order=True),
                         event_values,
                     )
                 ).all()
@@ -413,7 +413,7 @@ class Store:
             event_ids = (
                 (
                     await session.scalars(
-                        insert(EventRow).returning(EventRow.id, sort_by_parameter_order=True),
+                        insert(EVENTS).returning(EventRow.id, sort_by_parameter_order=True),
                         event_values,
                     )
                 ).all()
@@ -442,9 +442,9 @@ class Store:
         self, session: AsyncSession, job_ids: list[int], with_specs: bool = True
     ) -> list[job_pb2.Job]:
         """Jobs with their tasks, read as plain rows (no ORM objects: this is a hot path)."""
-        jobs = (await session.execute(select(JobRow.__table__).where(JobRow.id.in_(job_ids)))).all()
+        jobs = (await session.execute(select(JOBS).where(JobRow.id.in_(job_ids)))).all()
         tasks: dict[int, list[Row[Any]]] = {}
-        query = select(TaskRow.__table__).where(TaskRow.job_id.in_(job_ids))
+        query = select(TASKS).where(TaskRow.job_id.in_(job_ids))
         for task in (await session.execute(query)).all():
             tasks.setdefault(task.job_id, []).append(task)
         return [convert.job_message(j, tasks.get(j.id, []), with_specs) for j in jobs]
