@@ -1,7 +1,7 @@
 """Benchmark: 1,000 sim jobs while controller replicas are SIGKILLed, three times a minute.
 
 The chaos soak of `tests/test_reliability.py` at bench scale, through the same
-harness (`tests/reliability.py`): the whole system as processes (scheduler on a
+harness (`tests/reliability.py`, `tests/soak.py`): the whole system as processes (scheduler on a
 fresh PostgreSQL database, three controller replicas, logs, a seeded
 three-region sim cloud with random spot preemptions), jobs submitted at a
 steady rate with idempotency keys, a random replica SIGKILLed at seeded random
@@ -34,7 +34,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from reliability import ADMIN_URL, SoakConfig, run_soak  # noqa: E402
+from reliability import ADMIN_URL  # noqa: E402
+from soak import SoakConfig, run_soak  # noqa: E402
 
 
 def machine() -> dict[str, object]:

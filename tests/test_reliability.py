@@ -44,17 +44,16 @@ from reliability import (
     Database,
     EventLog,
     PostgresServer,
-    SoakConfig,
     cloud_config,
     cloud_problems,
     event_problems,
     fresh_database,
     job_problems,
     job_spec,
-    run_soak,
     stale_reports_refused,
     start_stack,
 )
+from soak import SoakConfig, run_soak
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_service_pb2 as pb
