@@ -213,3 +213,17 @@ def test_zz_nothing_is_left_behind(stack: Stack, jobs: job_service_pb2_grpc.JobS
         if any(str(clusters) in part for part in (p.info["cmdline"] or []))
     ]
     assert leftovers == []
+
+
+def test_controller_state_shows_its_lease_and_capacity(stack: Stack) -> None:
+    from managedjobs.v1 import controller_service_pb2 as cpb
+    from managedjobs.v1 import controller_service_pb2_grpc
+
+    with grpc.insecure_channel(stack.controllers[1].address) as channel:
+        state = controller_service_pb2_grpc.ControllerServiceStub(channel).GetControllerState(
+            cpb.GetControllerStateRequest(), timeout=10
+        )
+    assert state.controller_id == "controller-2"
+    assert state.connected and not state.draining
+    assert state.capacity.max_launches >= 4
+    assert state.lease_renew_time.seconds > 0
