@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -29,6 +27,8 @@ from pathlib import Path
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from machine import machine
 
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import (
@@ -163,11 +163,6 @@ def main() -> None:
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
     parser.add_argument("--only", choices=["sqlite", "postgres"])
     args = parser.parse_args()
-    machine = {
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
     for kind in ["sqlite", "postgres"]:
         if args.only and kind != args.only:
             continue
@@ -185,7 +180,7 @@ def main() -> None:
                 process.terminate()
                 process.wait(30)
         print(json.dumps({"bench": "admission", "database": kind, "jobs": args.jobs,
-                          **figures, "machine": machine}), flush=True)  # fmt: skip
+                          **figures, "machine": machine()}), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,31 +21,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from machine import machine  # noqa: E402
 from reliability import ADMIN_URL  # noqa: E402
 from soak import SoakConfig, run_soak  # noqa: E402
-
-
-def machine() -> dict[str, object]:
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
-        "processor": platform.processor() or platform.machine(),
-    }
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import signal
 import subprocess
 import sys
@@ -27,6 +25,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+from machine import machine
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
@@ -43,16 +42,6 @@ regions:
   - {name: us-west-2, zones: [us-west-2a, us-west-2b], spot_nodes: 10000, on_demand_nodes: 10000}
   - {name: eu-west-1, zones: [eu-west-1a, eu-west-1b], spot_nodes: 10000, on_demand_nodes: 10000}
 """
-
-
-def machine() -> dict[str, object]:
-    return {
-        "cpus": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
-        "processor": platform.processor() or platform.machine(),
-    }
 
 
 async def launch_all(address: str, clusters: int, concurrency: int) -> float:
