@@ -41,12 +41,13 @@ from services.backends import (
     BackendUnreachableError,
     ClusterEvent,
     ClusterHandle,
+    Observation,
     PrecheckError,
     ResourcesUnavailableError,
-    SimBackend,
     TaskRequest,
     TaskStatus,
 )
+from services.backends.sim import SimBackend
 from services.backends.wrapper import BackendWrapper
 from services.common.statuses import JobStatus, task_transition_allowed
 from services.controller.config import LifecycleConfig
@@ -231,9 +232,9 @@ class Recorder(Wrapped):
         self.launches.append(Launch(request.task_id, where, handle.region, granted))
         return handle
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         self.timeline.append(("terminate", handle.cluster_name))
-        await self.inner.terminate(handle, epoch)
+        await self.inner.terminate(handle, epoch, grace)
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         stream = self.inner.events()
@@ -295,11 +296,11 @@ class NeverStartsFirst(Wrapped):
             self._stuck.add(handle.data.get("cluster_id"))
         return handle
 
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        status = await self.inner.task_status(handle)
-        if status is not None and handle.data.get("cluster_id") in self._stuck:
-            return TaskStatus.PENDING
-        return status
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        seen = await self.inner.observe(handle)
+        if seen.task is not None and handle.data.get("cluster_id") in self._stuck:
+            return Observation(seen.cluster, TaskStatus.PENDING)
+        return seen
 
 
 class OddStatus(enum.Enum):
@@ -311,17 +312,17 @@ class OddStatus(enum.Enum):
 class OddTaskStatus(Wrapped):
     """Reports a task status outside `TaskStatus` once the task is running."""
 
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        status = await self.inner.task_status(handle)
-        if status in (TaskStatus.RUNNING, TaskStatus.SUCCEEDED):
-            return cast(TaskStatus, OddStatus.CANCELLED)
-        return status
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        seen = await self.inner.observe(handle)
+        if seen.task in (TaskStatus.RUNNING, TaskStatus.SUCCEEDED):
+            return Observation(seen.cluster, cast(TaskStatus, OddStatus.CANCELLED))
+        return seen
 
 
 class FailingTerminate(Wrapped):
     """Terminate always fails: the cluster leaks, and the job must say so."""
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         raise BackendError(f"terminate {handle.cluster_name}: permission denied")
 
 
@@ -337,13 +338,13 @@ class BlockingTerminate(Wrapped):
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         if self.passes > 0:
             self.passes -= 1
         else:
             self.entered.set()
             await self.release.wait()
-        await self.inner.terminate(handle, epoch)
+        await self.inner.terminate(handle, epoch, grace)
 
 
 W = TypeVar("W", bound="Wrapped")

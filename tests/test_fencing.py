@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from services.backends import LocalBackend, TaskRequest
+from services.backends import (
+    TaskRequest,
+)
+from services.backends.local import LocalBackend
 from services.controller.fencing import LeaseGuard
 from services.controller.link import LeaseLost, Link, Rejected
 

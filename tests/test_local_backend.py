@@ -18,14 +18,13 @@ import pytest
 from services.backends import (
     ClusterHandle,
     ClusterStatus,
-    LocalBackend,
     PrecheckError,
     ResourcesUnavailableError,
     TaskRequest,
     TaskStatus,
     make_backend,
 )
-from services.backends.local import cluster_processes
+from services.backends.local import LocalBackend, cluster_processes
 
 T = TypeVar("T")
 
@@ -113,7 +112,7 @@ async def test_hello_task_succeeds_and_its_output_is_in_the_logs(backend: LocalB
     assert handle.backend == "local" and handle.region == "local"
     await wait_task(backend, handle, TaskStatus.SUCCEEDED)
     assert await backend.read_logs(handle) == b"hello from hello\n"
-    assert await backend.task_end_time(handle) is not None
+    assert await backend.task_end(handle) is not None
     # The cluster stays up after its task finished, until it is terminated.
     assert await backend.cluster_status(handle) is ClusterStatus.UP
     assert status_file(backend, "hello")["exit_codes"] == {"0": 0}
@@ -325,6 +324,7 @@ async def test_reachable_creates_a_writable_root(backend: LocalBackend) -> None:
 
 
 def test_make_backend_knows_local_and_names_unknown_ones(tmp_path: Path) -> None:
-    assert isinstance(make_backend("local", root=tmp_path), LocalBackend)
+    backend = make_backend("local", {"data_dir": tmp_path})
+    assert isinstance(backend, LocalBackend) and backend.root == tmp_path.resolve() / "clusters"
     with pytest.raises(ValueError, match="nimbus"):
-        make_backend("nimbus")
+        make_backend("nimbus", {})

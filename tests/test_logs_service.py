@@ -26,6 +26,7 @@ from services.backends.base import (
     BackendError,
     ClusterHandle,
     ClusterStatus,
+    Observation,
     TaskRequest,
     TaskStatus,
 )
@@ -195,16 +196,18 @@ class MemoryBackend(Backend):
     ) -> ClusterHandle:
         return self.handle_for(request.cluster_name)
 
-    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
-        return ClusterStatus.DOWN if handle.cluster_name in self.gone else ClusterStatus.UP
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        if handle.cluster_name in self.gone:
+            return Observation(ClusterStatus.DOWN)
+        finished = handle.cluster_name in self.finished
+        return Observation(
+            ClusterStatus.UP, TaskStatus.SUCCEEDED if finished else TaskStatus.RUNNING
+        )
 
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        return TaskStatus.SUCCEEDED if handle.cluster_name in self.finished else TaskStatus.RUNNING
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        raise AssertionError("no preemption notices in these tests")
 
-    async def task_end_time(self, handle: ClusterHandle) -> float | None:
-        return None
-
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         self.gone.add(handle.cluster_name)
 
     async def cluster_exists(self, cluster_name: str) -> bool:

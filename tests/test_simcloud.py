@@ -24,11 +24,12 @@ from services.backends import (
     ClusterStatus,
     PrecheckError,
     ResourcesUnavailableError,
-    SimBackend,
+    StaleEpochError,
     TaskRequest,
     TaskStatus,
     make_backend,
 )
+from services.backends.sim import SimBackend
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
 from services.simcloud.clusters import ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
@@ -100,13 +101,13 @@ def test_model_enums_mirror_the_proto_enums(model: Any, proto: Any, prefix: str)
     assert {member.name: int(member) for member in model} == declared
 
 
-def test_every_backend_takes_the_same_options(tmp_path: Path) -> None:
-    options = {"root": tmp_path, "simcloud_address": "127.0.0.1:1"}
-    assert make_backend("local", **options).name == "local"
-    sim = make_backend("sim", **options)
+def test_every_backend_takes_the_same_settings(tmp_path: Path) -> None:
+    settings = {"data_dir": tmp_path, "simcloud_address": "127.0.0.1:1"}
+    assert make_backend("local", settings).name == "local"
+    sim = make_backend("sim", settings)
     assert isinstance(sim, SimBackend) and sim.address == "127.0.0.1:1"
     with pytest.raises(ValueError, match="simcloud_address"):
-        make_backend("sim", root=tmp_path)
+        make_backend("sim", {"data_dir": tmp_path})
 
 
 # --- the model ----------------------------------------------------------------------------
@@ -311,7 +312,7 @@ async def running() -> AsyncIterator[RunningCloud]:
 
 @pytest.fixture
 async def backend(running: RunningCloud) -> AsyncIterator[SimBackend]:
-    sim = make_backend("sim", root="/nonexistent", simcloud_address=f"127.0.0.1:{running.port}")
+    sim = make_backend("sim", {"simcloud_address": f"127.0.0.1:{running.port}"})
     assert isinstance(sim, SimBackend)
     try:
         yield sim
@@ -343,7 +344,7 @@ async def test_backend_maps_no_capacity_and_prechecks(backend: SimBackend) -> No
         await backend.launch(task(4, region="mars-1"))
     with pytest.raises(PrecheckError, match="cpus"):
         await backend.launch(task(4, cpus="many"))
-    with pytest.raises(PrecheckError, match="stale epoch"):
+    with pytest.raises(StaleEpochError, match="stale epoch"):
         await backend.launch(task(1, epoch=0))
 
 
@@ -352,11 +353,11 @@ async def test_backend_sees_a_task_through_to_its_end(backend: SimBackend) -> No
     handle = await backend.launch(task(sim=sim))
     assert await backend.cluster_status(handle) == ClusterStatus.UP
     assert await backend.task_status(handle) == TaskStatus.RUNNING
-    assert await backend.task_end_time(handle) is None
+    assert await backend.task_end(handle) is None
     chunks = [chunk async for chunk in backend.tail_logs(handle)]
     assert b"".join(chunks) == b"one\ntwo\n"
     assert await backend.task_status(handle) == TaskStatus.FAILED
-    assert await backend.task_end_time(handle) is not None
+    assert await backend.task_end(handle) is not None
     assert await backend.read_logs(handle) == b"one\ntwo\n"
     assert await backend.cluster_exists(handle.cluster_name)
     await backend.terminate(handle)
@@ -380,8 +381,9 @@ async def test_preemption_is_pushed_on_the_event_stream(
     async def until_down() -> None:
         async for event in stream:
             opened.set()
-            seen.append((event.cluster_name, event.cluster_status))
-            if (event.cluster_name, event.cluster_status) == (handle.cluster_name, down):
+            status = event.observation.cluster if event.observation else None
+            seen.append((event.cluster_name, status))
+            if (event.cluster_name, status) == (handle.cluster_name, down):
                 return
 
     watcher = asyncio.create_task(until_down())
@@ -455,7 +457,7 @@ async def test_inventory_lists_every_cluster_with_who_launched_it(
 async def test_a_launch_its_caller_abandons_is_rolled_back() -> None:
     """A cancelled Launch leaves no cluster behind, even one still provisioning."""
     cloud = await start(small_cloud(time_scale=1.0, launch_latency_seconds=30.0), port=0)
-    sim = make_backend("sim", root="/nonexistent", simcloud_address=f"127.0.0.1:{cloud.port}")
+    sim = make_backend("sim", {"simcloud_address": f"127.0.0.1:{cloud.port}"})
     try:
         launching = asyncio.create_task(sim.launch(task(7)))
         await eventually(lambda: sim.cluster_exists("mj-7-0"), True)

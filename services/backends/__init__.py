@@ -1,13 +1,17 @@
-"""Backends: where tasks run (SPEC §10).
+"""Backends: where tasks run (SPEC §10, §17).
 
 `Backend` is the one interface the controller and the logs service use; this
-package names it, its value types and errors, and `make_backend`, which builds a
-backend from its name (the `--backend` setting).
+package names it, its value types and errors, and the registry: each backend
+is one module plus one `BackendSpec` entry in `BACKENDS` (its name, where its
+class lives, imported only when used, and the settings it takes).
+`make_backend(name, settings)` builds one from the services' settings.
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+import importlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from services.backends.base import (
@@ -17,64 +21,100 @@ from services.backends.base import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    Observation,
     PrecheckError,
     ResourcesUnavailableError,
+    StaleEpochError,
+    TaskEnd,
     TaskRequest,
     TaskStatus,
 )
-from services.backends.local import LocalBackend
-from services.backends.sim import SimBackend
+from services.common.settings import Setting
 
 __all__ = [
+    "BACKENDS",
     "Backend",
     "BackendError",
+    "BackendSpec",
     "BackendUnreachableError",
     "ClusterEvent",
     "ClusterHandle",
     "ClusterStatus",
-    "LocalBackend",
+    "Observation",
     "PrecheckError",
     "ResourcesUnavailableError",
-    "SimBackend",
+    "StaleEpochError",
+    "TaskEnd",
     "TaskRequest",
     "TaskStatus",
+    "backend_settings",
     "make_backend",
 ]
 
-BACKEND_NAMES = ("local", "sim")
+
+@dataclasses.dataclass(frozen=True)
+class BackendSpec:
+    """One registered backend.
+
+    `factory` is "module:callable"; the callable takes the services' settings (a
+    mapping of setting name to value: `data_dir`, `simcloud_address`, ...) and
+    returns the backend, raising ValueError naming the setting that is wrong.
+    """
+
+    name: str
+    factory: str
+    description: str
+    # Settings only this backend reads; every service that may run it accepts them.
+    settings: tuple[Setting, ...] = ()
+
+    def load(self) -> Callable[[Mapping[str, Any]], Backend]:
+        module, _, attr = self.factory.partition(":")
+        loaded: Callable[[Mapping[str, Any]], Backend] = getattr(
+            importlib.import_module(module), attr
+        )
+        return loaded
 
 
-def _accepted(cls: type[Backend], options: dict[str, Any]) -> dict[str, Any]:
-    """The options that `cls`'s constructor takes by name."""
-    params = inspect.signature(cls.__init__).parameters
-    return {key: value for key, value in options.items() if key in params and key != "self"}
+BACKENDS: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec(
+            "local", "services.backends.local:from_settings", "processes on this host (default)"
+        ),
+        BackendSpec(
+            "sim",
+            "services.backends.sim:from_settings",
+            "the simulated cloud (mj-simcloud)",
+            (
+                Setting(
+                    "simcloud_address",
+                    "MJ_SIMCLOUD_ADDRESS",
+                    "127.0.0.1:50071",
+                    "sim cloud host:port (sim backend)",
+                ),
+            ),
+        ),
+    )
+}
 
 
-def make_backend(name: str, **options: Any) -> Backend:
-    """Builds the backend called `name`.
+def backend_settings() -> tuple[Setting, ...]:
+    """The settings of every registered backend (each once), for the services' parsers."""
+    seen: dict[str, Setting] = {}
+    for spec in BACKENDS.values():
+        for setting in spec.settings:
+            seen.setdefault(setting.name, setting)
+    return tuple(seen.values())
 
-    Every backend is given the same options and takes the ones it uses, so callers
-    pass everything they know: `make_backend(name, root=..., simcloud_address=...)`.
 
-    Args:
-        name: A backend name: "local" or "sim".
-        **options: `root` (local: the directory holding the clusters, plus its optional
-            timings, e.g. `poll_interval`); `simcloud_address` (sim: host:port of
-            mj-simcloud). Options a backend does not use are ignored.
-
-    Returns:
-        The backend.
+def make_backend(name: str, settings: Mapping[str, Any]) -> Backend:
+    """Builds the backend called `name` from the services' settings.
 
     Raises:
-        ValueError: no backend has that name, or an option it needs is missing.
+        ValueError: no backend has that name, or a setting it needs is missing or bad;
+            the message names it.
     """
-    if name == "local":
-        if options.get("root") is None:
-            raise ValueError("the local backend needs `root`, the clusters directory")
-        return LocalBackend(**_accepted(LocalBackend, options))
-    if name == "sim":
-        address = options.pop("simcloud_address", None)
-        if not address:
-            raise ValueError("the sim backend needs `simcloud_address` (host:port of mj-simcloud)")
-        return SimBackend(address, **options)
-    raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(BACKEND_NAMES)}")
+    spec = BACKENDS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown backend {name!r}; known backends: {', '.join(BACKENDS)}")
+    return spec.load()(settings)

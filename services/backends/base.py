@@ -1,27 +1,37 @@
 """The backend interface: how the control plane asks for compute and watches it.
 
-A backend launches a *cluster* for one task attempt, reports whether the cluster
-is up and how the task on it is doing, serves the task's logs, and tears the
-cluster down. The controller and the logs service use backends only through
-`Backend`; `local` runs real processes on this host, `sim` is the client of the
-simulated cloud.
+A backend launches a *cluster* for one task attempt, reports what it sees of the
+cluster and its task (`observe`), serves the task's logs, passes signals on to
+the task, and tears the cluster down. The controller and the logs service use
+backends only through `Backend`; `local` runs real processes on this host, `sim`
+is the client of the simulated cloud, `ssh` runs on pools of machines.
 
 Invariants every backend keeps:
 - A cluster's name identifies it across processes: any replica or the logs
   service can find a cluster from its `ClusterHandle` (a small JSON-able record).
+- Launches and terminations are fenced by the caller's assignment epoch: a
+  backend refuses (`StaleEpochError`) a launch or a terminate whose epoch is
+  below the highest it has seen for the job, so a replica that lost a job can
+  neither kill nor duplicate the new holder's cluster.
+- A task's end (`TaskEnd`: final status, exit code, end time) stays readable
+  after its cluster went DOWN, until the cluster is terminated, so a task that
+  finished just before its cluster vanished is never run again.
+- "Cannot tell now" is `BackendUnreachableError`, never DOWN: a probe that
+  times out says nothing about the cluster.
 - `terminate` is idempotent and `cluster_exists` is the proof that it worked.
 - Errors the caller must tell apart are the exception classes below; anything
-  else is a bug or an unreachable backend.
+  else is a bug.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
 import dataclasses
 import enum
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 
 class ClusterStatus(enum.Enum):
@@ -64,7 +74,19 @@ class ResourcesUnavailableError(BackendError):
 
 
 class BackendUnreachableError(BackendError):
-    """The backend cannot be asked right now; conclude nothing about clusters."""
+    """The backend (or the cluster's host) cannot be asked right now; conclude nothing.
+
+    `timeout`, when the backend knows it (an SSH pool's `unreachable_timeout`),
+    is how long the caller should wait before treating the cluster as lost.
+    """
+
+    def __init__(self, message: str, timeout: float | None = None) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+class StaleEpochError(BackendError):
+    """A launch or terminate fenced off: a newer epoch of the job holds the cluster."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,28 +129,63 @@ class ClusterHandle:
     @classmethod
     def from_json(cls, text: str) -> ClusterHandle:
         raw = json.loads(text)
+        if not isinstance(raw, dict) or not isinstance(raw.get("cluster_name"), str):
+            raise ValueError("a cluster handle is a JSON object with a cluster_name")
+        data = raw.get("data", {})
         return cls(
             cluster_name=raw["cluster_name"],
-            backend=raw["backend"],
-            region=raw.get("region", ""),
-            zone=raw.get("zone", ""),
-            data=raw.get("data", {}),
+            backend=str(raw.get("backend", "")),
+            region=str(raw.get("region", "")),
+            zone=str(raw.get("zone", "")),
+            data=data if isinstance(data, dict) else {},
         )
 
 
 @dataclasses.dataclass(frozen=True)
+class TaskEnd:
+    """How the task ended on its cluster; readable after the cluster went DOWN."""
+
+    # SUCCEEDED, FAILED or FAILED_SETUP.
+    status: TaskStatus
+    # The exit code of the run (or of the setup, for FAILED_SETUP); None when unknown.
+    exit_code: int | None
+    # Unix seconds.
+    end_time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """One look at a cluster: everything the controller decides from, read at once."""
+
+    cluster: ClusterStatus
+    # The task's status while the cluster is UP; None when it cannot be read.
+    task: TaskStatus | None = None
+    # Set once the task finished, whatever the cluster's status now.
+    end: TaskEnd | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterEvent:
-    """Pushed by backends that can: a cluster went down or a task finished."""
+    """Pushed by backends that can: something happened to a cluster.
+
+    `observation` is the cluster's state after the change (so the controller need
+    not ask again); `notice_deadline` (Unix seconds) announces that the cluster
+    will be reclaimed then (a spot preemption notice).
+    """
 
     cluster_name: str
-    cluster_status: ClusterStatus | None = None
-    task_status: TaskStatus | None = None
+    observation: Observation | None = None
+    notice_deadline: float | None = None
 
 
 class Backend(abc.ABC):
     """One async interface over every kind of compute."""
 
-    name: str
+    name: ClassVar[str]
+    # How many launches this backend runs well at once (a launch that is a process
+    # costs far more than one that is an RPC). Replicas report it as their launch
+    # capacity, under the limits of SPEC §5.
+    launch_concurrency: int = 16
 
     @abc.abstractmethod
     async def launch(
@@ -142,6 +199,8 @@ class Backend(abc.ABC):
         Raises:
             PrecheckError: the request can never launch.
             ResourcesUnavailableError: nothing free in any allowed region now.
+            StaleEpochError: a newer epoch of the job launched already.
+            BackendUnreachableError: the backend cannot be asked now.
         """
 
     @abc.abstractmethod
@@ -149,24 +208,44 @@ class Backend(abc.ABC):
         """The handle of a cluster known only by name (from another process)."""
 
     @abc.abstractmethod
-    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
-        """Whether the cluster is up."""
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        """The cluster's status, its task's status and the task's end, in one look.
+
+        Raises:
+            BackendUnreachableError: the backend, or the cluster's host, cannot tell now.
+        """
+
+    async def observe_many(
+        self, handles: Sequence[ClusterHandle]
+    ) -> dict[str, Observation | BackendError]:
+        """`observe` for many clusters; backends that can answer in one call override it."""
+        results = await asyncio.gather(
+            *(self.observe(handle) for handle in handles), return_exceptions=True
+        )
+        out: dict[str, Observation | BackendError] = {}
+        for handle, result in zip(handles, results, strict=True):
+            if isinstance(result, BaseException) and not isinstance(result, BackendError):
+                raise result
+            out[handle.cluster_name] = result
+        return out
 
     @abc.abstractmethod
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        """The task's status, or None when it cannot be read (cluster gone)."""
-
-    @abc.abstractmethod
-    async def task_end_time(self, handle: ClusterHandle) -> float | None:
-        """When the task finished (Unix seconds), or None if it has not."""
-
-    @abc.abstractmethod
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         """Tears the cluster down; idempotent.
 
-        `epoch` is the caller's assignment epoch for the cluster's job (0: not on
-        behalf of a job); backends that can fence refuse a stale one.
+        The task's processes get SIGTERM first and SIGKILL after `grace` seconds, so
+        code can checkpoint (SPEC §18). `epoch` is the caller's assignment epoch (0:
+        not on behalf of a job, e.g. an operator's cleanup).
+
+        Raises:
+            StaleEpochError: a newer epoch of the job holds the cluster.
+            BackendUnreachableError: the backend cannot be asked now.
         """
+
+    @abc.abstractmethod
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        """Passes a preemption notice on to the task: SIGTERM, and the notice file named by
+        `MJ_PREEMPTION_NOTICE_FILE` holding the deadline (Unix seconds)."""
 
     @abc.abstractmethod
     async def cluster_exists(self, cluster_name: str) -> bool:
@@ -184,9 +263,26 @@ class Backend(abc.ABC):
     async def reachable(self) -> bool:
         """Whether the backend answers at all."""
 
+    def regions(self) -> Sequence[str] | None:
+        """The regions this backend offers, when it knows them (None: it cannot say)."""
+        return None
+
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         """A stream of cluster events, for backends that push; None when they cannot."""
         return None
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections."""
+
+    # --- derived reads, for callers that need one part of an observation ------------------
+
+    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
+        return (await self.observe(handle)).cluster
+
+    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
+        """The task's status while the cluster is UP, else None."""
+        seen = await self.observe(handle)
+        return seen.task if seen.cluster is ClusterStatus.UP else None
+
+    async def task_end(self, handle: ClusterHandle) -> TaskEnd | None:
+        return (await self.observe(handle)).end

@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +53,13 @@ import psutil
 
 from services.backends.base import (
     Backend,
+    BackendError,
     ClusterHandle,
     ClusterStatus,
+    Observation,
     PrecheckError,
     ResourcesUnavailableError,
+    TaskEnd,
     TaskRequest,
     TaskStatus,
 )
@@ -522,14 +525,25 @@ class LocalBackend(Backend):
         except (KeyError, ValueError):
             return None
 
-    async def task_end_time(self, handle: ClusterHandle) -> float | None:
-        """The end time recorded in status.json, or None."""
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        cluster = await self.cluster_status(handle)
+        task = await self.task_status(handle) if cluster is ClusterStatus.UP else None
         layout = self._layout_or_none(handle.cluster_name)
         raw = read_json(layout.status_file) if layout else None
-        end = raw.get("end_time") if isinstance(raw, dict) else None
-        return float(end) if isinstance(end, (int, float)) else None
+        end = None
+        if isinstance(raw, dict) and isinstance(raw.get("end_time"), (int, float)):
+            try:
+                status = TaskStatus(raw.get("status"))
+            except ValueError:
+                status = None
+            if status is not None and status.finished:
+                end = TaskEnd(status, None, float(raw["end_time"]))
+        return Observation(cluster, task, end)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        raise BackendError("the local backend does not take preemption notices yet")
+
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         """Stops the supervisor (gracefully, then SIGKILL), kills leftovers, removes the dir."""
         layout = self._layout_or_none(handle.cluster_name)
         if layout is None:
@@ -650,3 +664,14 @@ class LocalBackend(Backend):
         except OSError:
             return False
         return self._root.is_dir() and os.access(self._root, os.W_OK | os.X_OK)
+
+
+def from_settings(settings: Mapping[str, Any]) -> LocalBackend:
+    """The local backend of a service: clusters under `<data_dir>/clusters`."""
+    data_dir = settings.get("data_dir")
+    if not data_dir:
+        raise ValueError("the local backend needs data_dir, the folder its clusters live in")
+    options: dict[str, Any] = {}
+    if settings.get("tail_poll_interval"):
+        options["poll_interval"] = float(settings["tail_poll_interval"])
+    return LocalBackend(Path(data_dir) / "clusters", **options)

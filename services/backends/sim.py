@@ -21,7 +21,7 @@ caller (services/controller/watch.py) reopens the stream.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -36,8 +36,11 @@ from services.backends.base import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    Observation,
     PrecheckError,
     ResourcesUnavailableError,
+    StaleEpochError,
+    TaskEnd,
     TaskRequest,
     TaskStatus,
 )
@@ -61,8 +64,8 @@ _PRECHECK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITI
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
-def error_metadata(exc: grpc.aio.AioRpcError) -> dict[str, str]:
-    """The metadata of the google.rpc ErrorInfo carried by a failed call, if any."""
+def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The google.rpc ErrorInfo carried by a failed call (empty if none)."""
     for key, value in exc.trailing_metadata() or ():
         if key != "grpc-status-details-bin" or not isinstance(value, bytes):
             continue
@@ -70,8 +73,13 @@ def error_metadata(exc: grpc.aio.AioRpcError) -> dict[str, str]:
         for detail in status.details:
             info = error_details_pb2.ErrorInfo()
             if detail.Unpack(info):
-                return dict(info.metadata)
-    return {}
+                return info
+    return error_details_pb2.ErrorInfo()
+
+
+def error_metadata(exc: grpc.aio.AioRpcError) -> dict[str, str]:
+    """The metadata of the google.rpc ErrorInfo carried by a failed call, if any."""
+    return dict(error_info(exc).metadata)
 
 
 def backend_error(exc: grpc.aio.AioRpcError) -> BackendError:
@@ -80,6 +88,8 @@ def backend_error(exc: grpc.aio.AioRpcError) -> BackendError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         tried = error_metadata(exc).get("regions_tried", "")
         return ResourcesUnavailableError(details, [r for r in tried.split(",") if r])
+    if code == grpc.StatusCode.FAILED_PRECONDITION and error_info(exc).reason == "STALE_EPOCH":
+        return StaleEpochError(details)
     if code in _PRECHECK:
         return PrecheckError(details)
     if code in _UNREACHABLE:
@@ -130,6 +140,16 @@ def launch_request(
     )
 
 
+def observation(cluster: pb.Cluster) -> Observation:
+    """What a cluster record of the sim cloud says."""
+    status = _CLUSTER_STATUS.get(cluster.status, ClusterStatus.DOWN)
+    task = _TASK_STATUS.get(cluster.task_status)
+    end = None
+    if task is not None and task.finished and cluster.HasField("task_end_time"):
+        end = TaskEnd(task, cluster.exit_code, cluster.task_end_time.ToNanoseconds() / 1e9)
+    return Observation(status, task if status is ClusterStatus.UP else None, end)
+
+
 class SimBackend(Backend):
     """Clusters in the sim cloud, reached over one gRPC channel."""
 
@@ -142,7 +162,6 @@ class SimBackend(Backend):
         timeout: float = 10.0,
         launch_timeout: float = 3600.0,
         reachable_timeout: float = 2.0,
-        **_ignored: Any,
     ) -> None:
         """Creates the backend; the channel opens on first use.
 
@@ -151,7 +170,6 @@ class SimBackend(Backend):
             timeout: Seconds for each call but Launch and log streams.
             launch_timeout: Seconds a Launch may take (it returns once the cluster is UP).
             reachable_timeout: Seconds `reachable` waits for an answer.
-            **_ignored: Options of other backends (make_backend passes the same to all).
         """
         self.address = address
         self._timeout = timeout
@@ -202,25 +220,11 @@ class SimBackend(Backend):
             raise backend_error(exc) from exc
         return reply.cluster
 
-    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
+    async def observe(self, handle: ClusterHandle) -> Observation:
         cluster = await self._get(handle.cluster_name)
-        if cluster is None:
-            return ClusterStatus.DOWN
-        return _CLUSTER_STATUS.get(cluster.status, ClusterStatus.DOWN)
+        return Observation(ClusterStatus.DOWN) if cluster is None else observation(cluster)
 
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        cluster = await self._get(handle.cluster_name)
-        if cluster is None or cluster.status != pb.CLUSTER_STATUS_UP:
-            return None
-        return _TASK_STATUS.get(cluster.task_status)
-
-    async def task_end_time(self, handle: ClusterHandle) -> float | None:
-        cluster = await self._get(handle.cluster_name)
-        if cluster is None or not cluster.HasField("task_end_time"):
-            return None
-        return cluster.task_end_time.ToNanoseconds() / 1e9
-
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         request = pb.TerminateRequest(cluster_name=handle.cluster_name, epoch=epoch)
         try:
             await self._cloud().Terminate(request, timeout=self._timeout)
@@ -272,11 +276,11 @@ class SimBackend(Backend):
                     continue
                 event = reply.event
                 self._after_seq = event.seq
+                status = _CLUSTER_STATUS.get(event.cluster_status, ClusterStatus.DOWN)
                 task = _TASK_STATUS.get(event.task_status)
                 yield ClusterEvent(
                     cluster_name=event.cluster_name,
-                    cluster_status=_CLUSTER_STATUS.get(event.cluster_status),
-                    task_status=task if event.cluster_status == pb.CLUSTER_STATUS_UP else None,
+                    observation=Observation(status, task if status is ClusterStatus.UP else None),
                 )
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
@@ -287,8 +291,19 @@ class SimBackend(Backend):
         finally:
             call.cancel()
 
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        raise BackendError("the sim cloud does not take preemption notices yet")
+
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
             self._stub = None
+
+
+def from_settings(settings: Mapping[str, Any]) -> SimBackend:
+    """The sim backend of a service: the client of the sim cloud at `simcloud_address`."""
+    address = settings.get("simcloud_address")
+    if not address:
+        raise ValueError("the sim backend needs simcloud_address (host:port of mj-simcloud)")
+    return SimBackend(str(address))

@@ -10,18 +10,19 @@ from collections.abc import AsyncIterator, Sequence
 
 from services.backends.base import (
     Backend,
+    BackendError,
     ClusterEvent,
     ClusterHandle,
-    ClusterStatus,
+    Observation,
     TaskRequest,
-    TaskStatus,
 )
 
 
 class BackendWrapper(Backend):
     def __init__(self, inner: Backend) -> None:
         self.inner = inner
-        self.name = inner.name
+        self.name = inner.name  # type: ignore[misc]
+        self.launch_concurrency = inner.launch_concurrency
 
     async def launch(
         self,
@@ -34,17 +35,19 @@ class BackendWrapper(Backend):
     def handle_for(self, cluster_name: str) -> ClusterHandle:
         return self.inner.handle_for(cluster_name)
 
-    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
-        return await self.inner.cluster_status(handle)
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        return await self.inner.observe(handle)
 
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        return await self.inner.task_status(handle)
+    async def observe_many(
+        self, handles: Sequence[ClusterHandle]
+    ) -> dict[str, Observation | BackendError]:
+        return await self.inner.observe_many(handles)
 
-    async def task_end_time(self, handle: ClusterHandle) -> float | None:
-        return await self.inner.task_end_time(handle)
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+        await self.inner.terminate(handle, epoch, grace)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
-        await self.inner.terminate(handle, epoch)
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        await self.inner.notify_preemption(handle, epoch, deadline)
 
     async def cluster_exists(self, cluster_name: str) -> bool:
         return await self.inner.cluster_exists(cluster_name)
@@ -57,6 +60,9 @@ class BackendWrapper(Backend):
 
     async def reachable(self) -> bool:
         return await self.inner.reachable()
+
+    def regions(self) -> Sequence[str] | None:
+        return self.inner.regions()
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         return self.inner.events()

@@ -75,17 +75,11 @@ SCHEDULER_ADDRESS = Setting(
     "scheduler_address", "MJ_SCHEDULER_ADDRESS", "127.0.0.1:50051", "scheduler host:port"
 )
 LOGS_ADDRESS = Setting("logs_address", "MJ_LOGS_ADDRESS", "127.0.0.1:50052", "logs host:port")
-BACKEND = Setting("backend", "MJ_BACKEND", "local", "compute backend: local or sim")
+BACKEND = Setting("backend", "MJ_BACKEND", "local", "compute backend: local, sim or ssh")
 SHUTDOWN_GRACE = Setting(
     "shutdown_grace",
     "MJ_SHUTDOWN_GRACE",
     5.0,
     "seconds in-flight RPCs get to finish on SIGTERM",
     float,
-)
-SIMCLOUD_ADDRESS = Setting(
-    "simcloud_address",
-    "MJ_SIMCLOUD_ADDRESS",
-    "127.0.0.1:50071",
-    "sim cloud host:port (sim backend)",
 )

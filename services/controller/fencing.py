@@ -32,6 +32,6 @@ class LeaseGuard(BackendWrapper):
         self._check(f"launch of {request.cluster_name}")
         return await self.inner.launch(request, candidate_regions, blocked_regions)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         self._check(f"terminate of {handle.cluster_name}")
-        await self.inner.terminate(handle, epoch)
+        await self.inner.terminate(handle, epoch, grace)

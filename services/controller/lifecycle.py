@@ -391,7 +391,8 @@ class JobLifecycle:
 
     async def _end_time(self, handle: ClusterHandle) -> float:
         try:
-            return await self.backend.task_end_time(handle) or self.config.clock()
+            end = await self.backend.task_end(handle)
+            return end.end_time if end is not None else self.config.clock()
         except BackendError:
             return self.config.clock()
 

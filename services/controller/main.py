@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from managedjobs.v1 import controller_service_pb2_grpc
-from services.backends import make_backend
+from services.backends import backend_settings, make_backend
 from services.common import logs, settings
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
@@ -40,7 +40,7 @@ SETTINGS = (
     settings.SCHEDULER_ADDRESS,
     settings.LOGS_ADDRESS,
     settings.BACKEND,
-    settings.SIMCLOUD_ADDRESS,
+    *backend_settings(),
     settings.DATA_DIR,
     Setting("max_launches", "MJ_CONTROLLER_MAX_LAUNCHES", 0, "launch capacity (0: 4 x CPUs)", int),
     Setting("max_jobs", "MJ_CONTROLLER_MAX_JOBS", 0, "job capacity (0: from memory)", int),
@@ -88,7 +88,7 @@ SETTINGS = (
 
 
 async def serve(a: argparse.Namespace) -> None:
-    backend = make_backend(a.backend, root=a.clusters_root, simcloud_address=a.simcloud_address)
+    backend = make_backend(a.backend, vars(a))
     config = LifecycleConfig(
         poll_interval=a.poll_interval,
         grace_seconds=a.grace_seconds,
@@ -133,7 +133,7 @@ async def serve(a: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
-    args.clusters_root = Path(args.data_dir).resolve() / "clusters"
+    args.data_dir = str(Path(args.data_dir).resolve())
     logs.setup("controller", args.log_level)
     asyncio.run(serve(args))
 

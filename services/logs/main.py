@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from managedjobs.v1 import log_service_pb2_grpc
-from services.backends import make_backend
+from services.backends import backend_settings, make_backend
 from services.common import logs
 from services.common.server import Server, run_until_signal
 from services.common.settings import (
@@ -24,7 +24,6 @@ from services.common.settings import (
     LOG_LEVEL,
     SCHEDULER_ADDRESS,
     SHUTDOWN_GRACE,
-    SIMCLOUD_ADDRESS,
     Setting,
     parse,
 )
@@ -50,7 +49,7 @@ SETTINGS = (
     DATA_DIR,
     SCHEDULER_ADDRESS,
     BACKEND,
-    SIMCLOUD_ADDRESS,
+    *backend_settings(),
     LOG_LEVEL,
     SHUTDOWN_GRACE,
     TAIL_POLL_INTERVAL,
@@ -67,13 +66,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 async def serve(args: argparse.Namespace) -> None:
     """Serves with the parsed settings; returns after a drained shutdown."""
     data_dir = Path(args.data_dir)
-    options: dict[str, object] = {
-        "root": data_dir / "clusters",
-        "simcloud_address": args.simcloud_address,
-    }
-    if args.backend == "local":
-        options["poll_interval"] = args.tail_poll_interval
-    backend = make_backend(args.backend, **options)
+    backend = make_backend(args.backend, vars(args))
     directory = JobDirectory(args.scheduler_address)
     servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend)
     server = Server(args.host, args.port)
