@@ -6,9 +6,9 @@
   every report in order (checked against `TASK_TRANSITIONS`, as the scheduler's
   store does), the lifecycle log, log fetches (read through the backend, to prove
   the logs were readable before teardown), and a launch slot that is granted at
-  once or only when the test says so. Its `cluster_changed` waits on a
+  once or only when the test says so. Its `watch` and `look` use a
   `ClusterWatch` fed by the backend's event stream, as on a replica; with a
-  backend that cannot push, the watch falls back to polling.
+  backend that cannot push, the watch polls in batches.
 - Backend wrappers (`Recorder` and friends): shipped `Backend` classes around the
   real sim backend that record launches and terminations, or bend one behaviour
   (no push, a task that never starts, an unknown task status, a terminate that
@@ -50,9 +50,10 @@ from services.backends import (
 from services.backends.sim import SimBackend
 from services.backends.wrapper import BackendWrapper
 from services.common.statuses import JobStatus, task_transition_allowed
+from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
-from services.controller.lifecycle import CancelRequest, JobLifecycle, cluster_name, run_job
-from services.controller.watch import ClusterWatch
+from services.controller.lifecycle import JobLifecycle, News, cluster_name
+from services.controller.watch import ClusterWatch, Watcher
 from services.scheduler.spec import parse_job_spec, resources_summary
 from services.simcloud import CloudConfig, RunningCloud, list_inventory, start
 from services.simcloud.config import RegionConfig
@@ -82,6 +83,7 @@ def fast_config(**changes: Any) -> LifecycleConfig:
         start_check_interval=0.01,
         terminate_attempts=3,
         terminate_retry_delay=0.01,
+        grace_period=0.05,
         sleep=asyncio.sleep,
     )
     return dataclasses.replace(base, **changes)
@@ -175,7 +177,38 @@ class World:
 
 
 class Wrapped(BackendWrapper):
-    """Passes every call to `inner`; subclasses change one behaviour."""
+    """Passes every call to `inner`; subclasses change one behaviour.
+
+    `bend` changes what the backend says of a cluster, the same way whether it is
+    asked (`observe`, `observe_many`) or pushes it (`events`).
+    """
+
+    def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
+        return seen
+
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        return self.bend(handle, await self.inner.observe(handle))
+
+    async def observe_many(
+        self, handles: Sequence[ClusterHandle]
+    ) -> dict[str, Observation | BackendError]:
+        results = await self.inner.observe_many(handles)
+        by_name = {h.cluster_name: h for h in handles}
+        return {
+            name: self.bend(by_name[name], seen) if isinstance(seen, Observation) else seen
+            for name, seen in results.items()
+        }
+
+    def events(self) -> AsyncIterator[ClusterEvent] | None:
+        stream = self.inner.events()
+        return None if stream is None else self._bent(stream)
+
+    async def _bent(self, stream: AsyncIterator[ClusterEvent]) -> AsyncIterator[ClusterEvent]:
+        async for event in stream:
+            if event.observation is not None:
+                handle = self.handle_for(event.cluster_name)
+                event = dataclasses.replace(event, observation=self.bend(handle, event.observation))
+            yield event
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,7 +314,8 @@ class NeverStartsFirst(Wrapped):
 
     def __init__(self, inner: Backend) -> None:
         super().__init__(inner)
-        self._stuck: set[object] = set()
+        # Names whose first cluster is the current one (until it is terminated).
+        self._stuck: set[str] = set()
         self._seen: set[str] = set()
 
     async def launch(
@@ -293,12 +327,15 @@ class NeverStartsFirst(Wrapped):
         handle = await self.inner.launch(request, candidate_regions, blocked_regions)
         if request.cluster_name not in self._seen:
             self._seen.add(request.cluster_name)
-            self._stuck.add(handle.data.get("cluster_id"))
+            self._stuck.add(request.cluster_name)
         return handle
 
-    async def observe(self, handle: ClusterHandle) -> Observation:
-        seen = await self.inner.observe(handle)
-        if seen.task is not None and handle.data.get("cluster_id") in self._stuck:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+        self._stuck.discard(handle.cluster_name)
+        await self.inner.terminate(handle, epoch, grace)
+
+    def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
+        if seen.task is not None and handle.cluster_name in self._stuck:
             return Observation(seen.cluster, TaskStatus.PENDING)
         return seen
 
@@ -312,9 +349,8 @@ class OddStatus(enum.Enum):
 class OddTaskStatus(Wrapped):
     """Reports a task status outside `TaskStatus` once the task is running."""
 
-    async def observe(self, handle: ClusterHandle) -> Observation:
-        seen = await self.inner.observe(handle)
-        if seen.task in (TaskStatus.RUNNING, TaskStatus.SUCCEEDED):
+    def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
+        if seen.task in (TaskStatus.RUNNING, TaskStatus.SUCCEEDED) or seen.end is not None:
             return Observation(seen.cluster, cast(TaskStatus, OddStatus.CANCELLED))
         return seen
 
@@ -415,6 +451,25 @@ class Hooks:
     at_grace: Hook | None = None
 
 
+class HostWatcher:
+    """A replica's watcher that also fires the `at_watch` hook when first waited on."""
+
+    def __init__(self, host: Host, inner: Watcher) -> None:
+        self._host = host
+        self._inner = inner
+
+    @property
+    def notice_deadline(self) -> float | None:
+        return self._inner.notice_deadline
+
+    async def next(self, timeout: float | None) -> News | None:
+        self._host.waiting_for_news()
+        return await self._inner.next(timeout)
+
+    def close(self) -> None:
+        self._inner.close()
+
+
 class Host:
     """A `JobHost` that records everything a replica would send on."""
 
@@ -434,9 +489,11 @@ class Host:
         self._slot = RecordedSlot(grant)
         self.recorder = recorder
         self.timeline = recorder.timeline
-        self.watch = watch
+        self.hub = watch
         self.hooks = hooks
+        self.attempts: list[tuple[int, int]] = []
         self.reports: list[Report] = []
+        self.conditions: list[tuple[int, str]] = []
         self.notes: list[str] = []
         self.fetched: list[tuple[int, str, bytes, bool]] = []
         self.current = {t.task_id: S(t.status) for t in job.tasks}
@@ -460,6 +517,10 @@ class Host:
         self, task_id: int, status: JobStatus, message: str = "", **fields: Any
     ) -> None:
         old = self.current[task_id]
+        if status == old and "condition" in fields:
+            # A condition of the task, not a transition.
+            self.conditions.append((task_id, fields["condition"]))
+            return
         # The scheduler's store refuses what the table forbids; so do we.
         if not task_transition_allowed(old, status):
             raise ValueError(f"task {task_id}: {old.name} -> {status.name} is not allowed")
@@ -473,17 +534,23 @@ class Host:
     def note(self, message: str) -> None:
         self.notes.append(message)
 
-    async def fetch_logs(self, task_id: int, handle: ClusterHandle) -> None:
+    async def fetch_logs(self, task_id: int, handle: ClusterHandle, attempt: int) -> None:
         data = await self.recorder.read_logs(handle)
         exists = await self.recorder.cluster_exists(handle.cluster_name)
         self.fetched.append((task_id, handle.cluster_name, data, exists))
+        self.attempts.append((task_id, attempt))
         self.timeline.append(("fetch", str(task_id)))
 
-    async def cluster_changed(self, cluster_name: str, timeout: float) -> None:
+    def watch(self, handle: ClusterHandle) -> HostWatcher:
+        return HostWatcher(self, self.hub.watch(handle))
+
+    async def look(self, handle: ClusterHandle) -> News:
+        return await self.hub.look(handle)
+
+    def waiting_for_news(self) -> None:
         self.watching.set()
         if hook := self._once("watch", self.hooks.at_watch):
             self.background.append(asyncio.create_task(hook(self.world, self)))
-        await self.watch.wait(cluster_name, timeout)
 
     async def grace_sleep(self, delay: float, grace: float) -> None:
         """The injected sleep: runs the grace hook inside the grace period."""
@@ -574,7 +641,7 @@ async def start_job(
     )
     if before is not None:
         await before(world)
-    return RunningJob(world, host, lifecycle, host.watch)
+    return RunningJob(world, host, lifecycle, host.hub)
 
 
 async def build(
@@ -589,15 +656,13 @@ async def build(
 ) -> tuple[Host, JobLifecycle]:
     """A host and a lifecycle for the job, its cluster watch fed by the backend's events."""
     recorder = Recorder(wrap(world.sim) if wrap else world.sim)
-    watch = ClusterWatch()
+    config = config or fast_config()
+    watch = ClusterWatch(recorder, config.poll_interval)
     host = Host(world, job, epoch, recorder, watch, grant=grant, hooks=hooks)
     recorder.host = host
-    config = config or fast_config()
     grace = config.grace_seconds
     config = dataclasses.replace(config, sleep=lambda delay: host.grace_sleep(delay, grace))
-    for task in job.tasks:
-        watch.track(cluster_name(job.job_id, task.task_id))
-    watch.start(recorder)
+    watch.start()
     if recorder.events() is not None:
         await _stream_open(world, recorder)
     return host, JobLifecycle(job, host, recorder, config)

@@ -9,7 +9,9 @@ every step a scheduling pass runs and the invariants are checked:
   free launch slot;
 - WAITING is admitted by priority, then submission order, and none is left
   while some replica could take it;
-- the in-memory counters equal a recount from the database.
+- the in-memory counters equal a recount from the database. Nothing here
+  updates a counter by hand: they follow the store's committed moves, as in
+  the scheduler.
 """
 
 from __future__ import annotations
@@ -25,9 +27,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ScheduleState
-from services.scheduler.admission import Admission, Limits, ReplicaInfo, live_counts
+from services.scheduler.admission import Admission, Limits
+from services.scheduler.cancels import Cancels, Targets
+from services.scheduler.counters import Counters, live_counts
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
+from services.scheduler.outbox import Outbox
+from services.scheduler.reports import Reports, finish
 from services.scheduler.spec import parse_job_spec
 from services.scheduler.store import NewJob, Store
 
@@ -44,12 +50,17 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.tmp = tempfile.TemporaryDirectory()
         self.db = Database.open(f"sqlite:///{Path(self.tmp.name) / 'a.db'}")
         self.store = Store(self.db, EventBus())
-        self.sent: list[tuple[str, pb.ConnectControllerResponse]] = []
+        self.counters = Counters(self.store)
+        self.outbox = Outbox()
         self.admission = Admission(
             self.store,
+            self.counters,
+            self.outbox,
             Limits(global_launches=GLOBAL_LAUNCHES, global_jobs=GLOBAL_JOBS),
-            lambda cid, msg: self.sent.append((cid, msg)) is None,
         )
+        self.store.on_moves = self.counters.apply
+        self.reports = Reports(self.store)
+        self.cancels = Cancels(self.store, self.outbox)
         self.run(self.db.migrate())
         self.next_replica = 0
         self.waiting_before: list[tuple[int, int]] = []
@@ -78,21 +89,23 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @initialize()
     def start(self) -> None:
-        self.run(self.admission.rebuild())
+        self.run(self.counters.rebuild())
 
     @rule(priority=st.integers(-3, 3), count=st.integers(1, 3))
     def submit(self, priority: int, count: int) -> None:
         jobs = [NewJob("j", "u", priority, "", "", SPEC.tasks) for _ in range(count)]
-        answers = self.run(self.store.submit_many(jobs))
-        self.admission.record(None, St.WAITING, sum(created for _, created in answers))
+        self.run(self.store.submit_many(jobs))
         self.schedule()
 
     @rule(launches=st.integers(1, 3), jobs=st.integers(1, 4))
     def replica_joins(self, launches: int, jobs: int) -> None:
         self.next_replica += 1
         cid = f"r{self.next_replica}"
-        self.admission.replicas[cid] = ReplicaInfo(
-            cid, pb.Capacity(max_launches=launches, max_jobs=jobs)
+        self.outbox.attach(cid)
+        self.admission.connected(
+            pb.ControllerHello(
+                controller_id=cid, capacity=pb.Capacity(max_launches=launches, max_jobs=jobs)
+            )
         )
         self.schedule()
 
@@ -100,15 +113,15 @@ class AdmissionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def replica_drains(self, data: st.DataObject) -> None:
         cid = data.draw(st.sampled_from(sorted(self.admission.replicas)))
-        self.admission.replicas[cid].draining = True
+        self.admission.draining(cid)
         self.schedule()
 
     @precondition(lambda self: self.admission.replicas)
     @rule(data=st.data())
     def replica_leaves(self, data: st.DataObject) -> None:
         cid = data.draw(st.sampled_from(sorted(self.admission.replicas)))
-        del self.admission.replicas[cid]
-        self.admission.applied(self.run(self.store.release_replica(cid)))
+        self.admission.gone(cid)
+        self.run(self.reports.release_replica(cid))
         self.schedule()
 
     def _pick(self, data: st.DataObject, state: ScheduleState) -> Any | None:
@@ -122,21 +135,19 @@ class AdmissionMachine(RuleBasedStateMachine):
         if job is None:
             return
         reason = "backing off after no capacity in r" if backoff else ""
-        move = self.run(
-            self.store.move(job.id, [St.LAUNCHING], St.ALIVE, epoch=job.epoch,
+        self.run(
+            self.store.move(job.id, St.LAUNCHING, St.ALIVE, epoch=job.epoch,
                             controller_id=job.controller_id, wait_reason=reason)
         )  # fmt: skip
-        self.admission.apply(move)
         if backoff:
             self._request(job)
         self.schedule()
 
     def _request(self, job: Any) -> None:
-        move = self.run(
-            self.store.move(job.id, [St.ALIVE], St.ALIVE_WAITING, epoch=job.epoch,
+        self.run(
+            self.store.move(job.id, St.ALIVE, St.ALIVE_WAITING, epoch=job.epoch,
                             controller_id=job.controller_id)
         )  # fmt: skip
-        self.admission.apply(move)
 
     @rule(data=st.data())
     def next_task_needs_a_slot(self, data: st.DataObject) -> None:
@@ -149,43 +160,46 @@ class AdmissionMachine(RuleBasedStateMachine):
     def job_finishes(self, data: st.DataObject, state: ScheduleState) -> None:
         job = self._pick(data, state)
         if job is not None:
-            self.admission.apply(self.run(self.store.finish(job.id, job.epoch, job.controller_id)))
+            self.run(self._finish(job))
             self.schedule()
+
+    async def _finish(self, job: Any) -> None:
+        async with self.store.transaction() as txn:
+            await finish(txn, job.controller_id, job.id, job.epoch)
 
     @rule(data=st.data())
     def cancel_waiting(self, data: st.DataObject) -> None:
         waiting = self.jobs(St.WAITING)
         if waiting:
             job = data.draw(st.sampled_from(waiting))
-            assert self.run(self.store.cancel_unstarted(job.id))
-            self.admission.record(None, St.WAITING, -1)
+            assert self.run(self.cancels.cancel(Targets(job_ids=[job.id]))) == [job.id]
             self.schedule()
 
     # --- invariants ----------------------------------------------------------------------
 
     @invariant()
     def within_limits(self) -> None:
-        totals = self.admission.totals()
+        totals = self.counters.totals()
         assert totals.launching <= GLOBAL_LAUNCHES
         assert totals.alive <= GLOBAL_JOBS
         for cid, replica in self.admission.replicas.items():
-            slots = self.admission.slots(cid)
+            slots = self.counters.slots(cid)
             assert slots.launching <= replica.capacity.max_launches, cid
             assert slots.alive <= replica.capacity.max_jobs, cid
 
     @invariant()
     def counters_equal_a_recount(self) -> None:
         recount = live_counts(self.run(self.store.recount()))
-        assert live_counts(self.admission.counts) == recount
+        assert live_counts(self.counters.counts) == recount
 
     @invariant()
     def alive_waiting_served_first(self) -> None:
-        global_room = GLOBAL_LAUNCHES - self.admission.totals().launching
+        global_room = GLOBAL_LAUNCHES - self.counters.totals().launching
         for job in self.jobs(St.ALIVE_WAITING):
             replica = self.admission.replicas.get(job.controller_id)
             if replica is None or global_room <= 0:
                 continue
-            launching = self.admission.slots(job.controller_id).launching
+            launching = self.counters.slots(job.controller_id).launching
             assert launching >= replica.capacity.max_launches
 
     @invariant()
@@ -195,11 +209,11 @@ class AdmissionMachine(RuleBasedStateMachine):
         if still and admitted:
             assert max(admitted) < still[0], "a lower-ranked job was admitted first"
         if still:
-            totals = self.admission.totals()
+            totals = self.counters.totals()
             room = any(
                 not r.draining
-                and self.admission.slots(cid).launching < r.capacity.max_launches
-                and self.admission.slots(cid).alive < r.capacity.max_jobs
+                and self.counters.slots(cid).launching < r.capacity.max_launches
+                and self.counters.slots(cid).alive < r.capacity.max_jobs
                 for cid, r in self.admission.replicas.items()
             )
             assert not room or totals.launching >= GLOBAL_LAUNCHES or totals.alive >= GLOBAL_JOBS

@@ -87,3 +87,18 @@ def test_unreachable_means_unavailable_and_bad_requests_do_not() -> None:
     duplicate = IntegrityError("INSERT", {}, Exception("unique"))
     assert not is_unreachable(duplicate)
     assert unavailable(duplicate) is None
+
+
+def test_a_server_starting_up_or_shutting_down_is_unreachable() -> None:
+    import asyncpg  # type: ignore[import-untyped]
+    from sqlalchemy.exc import DBAPIError
+
+    for error in (
+        asyncpg.exceptions.CannotConnectNowError("the database system is starting up"),
+        asyncpg.exceptions.AdminShutdownError("terminating connection"),
+    ):
+        wrapped = DBAPIError("SELECT 1", {}, error)
+        assert is_unreachable(wrapped), error
+        assert isinstance(unavailable(wrapped), Unavailable)
+    unique = DBAPIError("INSERT", {}, asyncpg.exceptions.UniqueViolationError("dup"))
+    assert not is_unreachable(unique)

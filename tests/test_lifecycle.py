@@ -201,13 +201,15 @@ ROWS = [
         notes=("task 0: resumed; watching",),
     ),
     Row(
-        "resume-starting-relaunches",
+        # The previous holder's launch happened and its task finished: never run it again.
+        "resume-starting-adopts-a-finished-cluster",
         f"name: starting\nrun: train\n{SPOT}",
-        ((RECOVERING, RUNNING, SUCCEEDED),),
-        ((0, "", EAST),),
-        counts=((1, 0),),
+        ((RUNNING, SUCCEEDED),),
+        (),
+        counts=((0, 0),),
         prior=(STARTING,),
         prelaunch=(0,),
+        notes=("adopted",),
     ),
     Row(
         "resume-recovering-relaunches",
@@ -327,7 +329,8 @@ ROWS = [
         (RAN,),
         ((0, "", EAST),),
         hooks=Hooks(at_running=cloud_unreachable),
-        notes=("backend unreachable; concluding nothing",),
+        notes=("unreachable since", "concluding nothing yet", "answers again"),
+        check=lambda host: _condition_set_then_cleared(host),
     ),
     Row(
         "precheck-failure-is-never-retried",
@@ -450,6 +453,11 @@ async def _finished(world: World, handle: ClusterHandle) -> bool:
     return status is not None and status.finished
 
 
+def _condition_set_then_cleared(host: Host) -> None:
+    (task, set_to), (_, cleared) = host.conditions
+    assert task == 0 and "mj-1-0 unreachable since" in set_to and cleared == ""
+
+
 def _assert_common_order(host: Host, job: job_pb2.Job) -> None:
     """What every row must show, whatever its path."""
     for report in host.reports:
@@ -467,7 +475,8 @@ def _assert_common_order(host: Host, job: job_pb2.Job) -> None:
             fetched = timeline.index(("fetch", t), done)
             timeline.index(("terminate", name), fetched)
         if statuses and statuses[-1] in (SUCCEEDED, FAILED, S.FAILED_SETUP) and task.spec.run:
-            assert fetches and all(exists for *_, exists in fetches), fetches
+            # The final attempt's logs were copied while its cluster still existed.
+            assert fetches and fetches[-1][3], fetches
     # Every launch that came up is in the lifecycle log with its attempt and region.
     for launch in host.recorder.launches:
         if launch.outcome in REGIONS:
@@ -506,7 +515,7 @@ async def test_transition_refuses_what_the_table_forbids(world: World) -> None:
         await lifecycle.transition(done, S.FAILED_CONTROLLER, "leak")
         assert host.statuses(0) == [S.FAILED_CONTROLLER]
     finally:
-        await host.watch.close()
+        await host.hub.close()
 
 
 async def test_launches_refused_while_unreachable_do_not_count_as_retries(world: World) -> None:

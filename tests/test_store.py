@@ -1,18 +1,23 @@
-"""The scheduler's store, on SQLite and on PostgreSQL."""
+"""The scheduler's store, reports and cancels, on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
-import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler.cancels import Cancels, Targets
+from services.scheduler.counters import Counters, live_counts
 from services.scheduler.events import EventBus
 from services.scheduler.models import EventRow, JobRow, TaskRow
+from services.scheduler.outbox import Outbox
+from services.scheduler.reports import Refusal, Reports
 from services.scheduler.spec import parse_job_spec
-from services.scheduler.store import NewJob, StaleReport, Store
+from services.scheduler.store import Move, NewJob, Store
 
 S = JobStatus
 St = ScheduleState
@@ -25,36 +30,75 @@ def new_job(
     return NewJob(parsed.name, user, priority, "", key, parsed.tasks)
 
 
+def chain(length: int) -> str:
+    return "name: chain\n" + "".join(f"---\nname: t{i}\nrun: echo {i}\n" for i in range(length))
+
+
 async def count(store: Store, model: type) -> int:
     async with store.db.read() as session:
         return int(await session.scalar(select(func.count()).select_from(model)) or 0)
 
 
 async def assign(store: Store, job_id: int, controller: str = "c1") -> int:
-    move = await store.move(job_id, [St.WAITING], St.LAUNCHING, assign_to=controller)
-    assert move is not None
-    return move.epoch
+    moves, _ = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to=controller)
+    assert len(moves) == 1
+    return moves[0].epoch
 
 
 def transition(
     job_id: int, epoch: int, status: JobStatus, task_id: int = 0, **kw: object
-) -> pb.TaskTransition:
-    return pb.TaskTransition(job_id=job_id, epoch=epoch, task_id=task_id, status=int(status), **kw)  # type: ignore[arg-type]
+) -> pb.ConnectControllerRequest:
+    return pb.ConnectControllerRequest(
+        transition=pb.TaskTransition(
+            job_id=job_id,
+            epoch=epoch,
+            task_id=task_id,
+            status=int(status),
+            **kw,  # type: ignore[arg-type]
+        )
+    )
+
+
+def finished(job_id: int, epoch: int, reason: str = "") -> pb.ConnectControllerRequest:
+    return pb.ConnectControllerRequest(
+        job_finished=pb.JobFinished(job_id=job_id, epoch=epoch, failure_reason=reason)
+    )
+
+
+async def report(
+    store: Store, cid: str, *requests: pb.ConnectControllerRequest
+) -> list[pb.ReportAck]:
+    return (await Reports(store).apply(cid, requests)).acks
+
+
+async def accepted(store: Store, cid: str, *requests: pb.ConnectControllerRequest) -> None:
+    acks = await report(store, cid, *requests)
+    assert all(a.accepted for a in acks), acks
+
+
+class Followed:
+    """Counters that follow the store's moves, as in the scheduler."""
+
+    def __init__(self, store: Store) -> None:
+        self.counters = Counters(store)
+        store.on_moves = self.counters.apply
+
+    async def matches_a_recount(self, store: Store) -> bool:
+        return live_counts(self.counters.counts) == live_counts(await store.recount())
 
 
 async def test_submit_stores_job_tasks_and_first_event(store: Store, bus: EventBus) -> None:
     sub = bus.subscribe()
-    chain = "name: pipeline\n---\nname: a\nrun: echo a\n---\nname: b\nrun: echo b\n"
-    job_id, created = await store.submit(new_job(chain))
+    job_id, created = await store.submit(new_job(chain(2)))
     assert created
     job = await store.get_job(job_id, with_specs=True)
     assert job is not None
-    assert job.name == "pipeline"
-    assert [t.name for t in job.tasks] == ["a", "b"]
-    assert job.tasks[1].spec.run == "echo b"
+    assert job.name == "chain"
+    assert [t.name for t in job.tasks] == ["t0", "t1"]
+    assert job.tasks[1].spec.run == "echo 1"
     assert job.status == S.PENDING and job.schedule_state == St.WAITING
-    event = await asyncio.wait_for(sub.next(), 1)
-    assert (event.job_id, event.message) == (job_id, "submitted")
+    event_ = await asyncio.wait_for(sub.next(), 1)
+    assert (event_.job_id, event_.message) == (job_id, "submitted")
     assert await count(store, EventRow) == 1
 
 
@@ -62,108 +106,280 @@ async def test_idempotency_key_returns_the_first_job(store: Store) -> None:
     first, created = await store.submit(new_job(key="k1"))
     again, created_again = await store.submit(new_job(key="k1"))
     other_user, _ = await store.submit(new_job(key="k1", user="bob"))
-    assert created and not created_again
-    assert again == first
-    assert other_user != first
+    assert created and not created_again and first == again and other_user != first
     assert await count(store, JobRow) == 2
 
 
-async def test_move_is_conditional_on_state_and_epoch(store: Store) -> None:
-    job_id, _ = await store.submit(new_job())
-    epoch = await assign(store, job_id)
-    assert epoch == 1
-    # Not in WAITING any more: a second admission does nothing.
-    assert await store.move(job_id, [St.WAITING], St.LAUNCHING, assign_to="c2") is None
-    # A stale epoch cannot release the slot.
-    assert await store.move(job_id, [St.LAUNCHING], St.ALIVE, epoch=0, controller_id="c1") is None
-    moved = await store.move(job_id, [St.LAUNCHING], St.ALIVE, epoch=1, controller_id="c1")
-    assert moved is not None and (moved.old, moved.new) == (St.LAUNCHING, St.ALIVE)
-    # DONE is final: the transition table refuses to leave it.
-    await store.finish(job_id, 1, "c1")
-    assert await store.move(job_id, [St.DONE], St.WAITING) is None
+async def test_committed_moves_feed_the_counters(store: Store) -> None:
+    followed = Followed(store)
+    ids = [(await store.submit(new_job()))[0] for _ in range(3)]
+    assert followed.counters.counts[(None, St.WAITING)] == 3
+    await assign(store, ids[0], "c1")
+    await assign(store, ids[1], "c2")
+    assert followed.counters.slots("c1").launching == 1
+    await Cancels(store, Outbox()).cancel(Targets(job_ids=[ids[2]]))
+    assert followed.counters.counts[(None, St.WAITING)] == 0
+    assert await followed.matches_a_recount(store)
 
 
-async def test_stale_epoch_report_is_refused(store: Store) -> None:
+async def test_move_is_conditional_on_state_epoch_and_holder(store: Store) -> None:
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
-    with pytest.raises(StaleReport):
-        await store.apply_transition(transition(job_id, epoch + 1, S.STARTING), "c1")
-    with pytest.raises(StaleReport):
-        await store.apply_transition(transition(job_id, epoch, S.STARTING), "c2")
+    # Already assigned: a second assignment does not happen.
+    moves, _ = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to="c2")
+    assert moves == []
+    assert await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=0, controller_id="c1") is None
+    assert await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, controller_id="c2") is None
+    moved = await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, controller_id="c1")
+    assert moved == Move(job_id, "c1", "c1", epoch, St.LAUNCHING, St.ALIVE)
+
+
+async def test_an_assignment_event_carries_the_new_epoch(store: Store) -> None:
+    job_id, _ = await store.submit(new_job())
+    epoch = await assign(store, job_id)
+    async with store.db.read() as session:
+        rows = (await session.execute(select(EventRow.schedule_state, EventRow.epoch))).all()
+    assert (St.LAUNCHING, epoch) in [(St(s), e) for s, e in rows]
+
+
+async def test_stale_and_invalid_reports_are_refused_apart(store: Store) -> None:
+    job_id, _ = await store.submit(new_job())
+    epoch = await assign(store, job_id)
+    reports = Reports(store)
+    applied = await reports.apply(
+        "c1",
+        [
+            transition(job_id, epoch + 1, S.STARTING),
+            transition(job_id, epoch, S.STARTING, task_id=5),
+            transition(job_id, epoch, S.SUCCEEDED, task_id=0),
+            transition(job_id, epoch, S.STARTING),
+        ],
+    )
+    assert [(a.accepted, Refusal(a.refusal)) for a in applied.acks] == [
+        (False, Refusal.STALE),
+        (False, Refusal.INVALID),
+        (False, Refusal.INVALID),  # PENDING -> SUCCEEDED is not in the table
+        (True, Refusal.NONE),
+    ]
+    assert applied.revokes == [(job_id, epoch + 1)]
+    assert (reports.refused_stale, reports.refused_invalid) == (1, 2)
+    # A report from another replica with the right epoch is stale too.
+    [ack] = await report(store, "c2", transition(job_id, epoch, S.RUNNING))
+    assert ack.refusal == Refusal.STALE
     job = await store.get_job(job_id)
-    assert job is not None and job.status == S.PENDING
+    assert job is not None and job.status == S.STARTING
 
 
 async def test_terminal_status_only_changes_to_failed_controller(store: Store) -> None:
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
     for status in (S.STARTING, S.RUNNING, S.SUCCEEDED):
-        await store.apply_transition(transition(job_id, epoch, status), "c1")
-    with pytest.raises(ValueError, match="not allowed"):
-        await store.apply_transition(transition(job_id, epoch, S.RUNNING), "c1")
-    await store.apply_transition(
-        transition(job_id, epoch, S.FAILED_CONTROLLER, failure_reason="cleanup failed"), "c1"
+        await accepted(store, "c1", transition(job_id, epoch, status))
+    [ack] = await report(store, "c1", transition(job_id, epoch, S.RUNNING))
+    assert ack.refusal == Refusal.INVALID
+    await accepted(
+        store, "c1", transition(job_id, epoch, S.FAILED_CONTROLLER, failure_reason="leaked")
     )
     job = await store.get_job(job_id)
-    assert job is not None
-    assert job.status == S.FAILED_CONTROLLER
-    assert job.failure_reason == "cleanup failed"
+    assert job is not None and job.status == S.FAILED_CONTROLLER
+    assert job.failure_reason == "leaked"
 
 
 async def test_job_shows_the_first_unfinished_task(store: Store) -> None:
-    chain = "name: c\n---\nname: a\nrun: x\n---\nname: b\nrun: y\n---\nname: d\nrun: z\n"
-    job_id, _ = await store.submit(new_job(chain))
+    job_id, _ = await store.submit(new_job(chain(3)))
     epoch = await assign(store, job_id)
+    for status in (S.STARTING, S.RUNNING, S.SUCCEEDED):
+        await accepted(store, "c1", transition(job_id, epoch, status))
+    job = await store.get_job(job_id)
+    assert job is not None and (job.current_task_id, job.status) == (1, S.PENDING)
     for status in (S.STARTING, S.RUNNING, S.FAILED):
-        await store.apply_transition(transition(job_id, epoch, status, failure_reason="boom"), "c1")
-    for task_id in (1, 2):
-        await store.apply_transition(transition(job_id, epoch, S.CANCELLED, task_id), "c1")
+        await accepted(
+            store, "c1", transition(job_id, epoch, status, task_id=1, failure_reason="boom")
+        )
+    await accepted(store, "c1", transition(job_id, epoch, S.CANCELLED, task_id=2))
     job = await store.get_job(job_id)
     assert job is not None
-    assert job.status == S.FAILED and job.current_task_id == 0
-    assert job.failure_reason == "boom"
-
-
-async def test_cancel_unstarted_job_is_immediate(store: Store) -> None:
-    job_id, _ = await store.submit(new_job("name: c\n---\nname: a\nrun: x\n---\nname: b\nrun: y\n"))
-    assert await store.cancel_unstarted(job_id)
-    assert not await store.cancel_unstarted(job_id)
+    assert (job.current_task_id, job.status, job.failure_reason) == (1, S.FAILED, "boom")
+    # A cleanup that failed on the first task's cluster makes it the one shown.
+    await accepted(store, "c1", transition(job_id, epoch, S.FAILED_CONTROLLER, task_id=0))
     job = await store.get_job(job_id)
-    assert job is not None
-    assert job.status == S.CANCELLED and job.schedule_state == St.DONE
-    assert {t.status for t in job.tasks} == {S.CANCELLED}
+    assert job is not None and (job.current_task_id, job.status) == (0, S.FAILED_CONTROLLER)
 
 
-async def test_finish_closes_unfinished_tasks(store: Store) -> None:
+async def test_a_condition_is_set_and_cleared_without_a_status_change(store: Store) -> None:
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
-    await store.apply_transition(transition(job_id, epoch, S.STARTING), "c1")
-    move = await store.finish(job_id, epoch, "c1")
-    assert move is not None and move.new == St.DONE
+    for status in (S.STARTING, S.RUNNING):
+        await accepted(store, "c1", transition(job_id, epoch, status))
+    await accepted(
+        store, "c1", transition(job_id, epoch, S.RUNNING, condition="unreachable since 12:00")
+    )
     job = await store.get_job(job_id)
-    assert job is not None and job.status == S.FAILED_CONTROLLER
+    assert job is not None and job.tasks[0].condition == "unreachable since 12:00"
+    assert job.tasks[0].HasField("condition_time") and job.status == S.RUNNING
+    await accepted(store, "c1", transition(job_id, epoch, S.RUNNING, condition=""))
+    job = await store.get_job(job_id)
+    assert job is not None and job.tasks[0].condition == ""
 
 
-async def test_release_replica_frees_slots_and_marks_starting_recovering(store: Store) -> None:
+@contextlib.contextmanager
+def statements(store: Store) -> Iterator[list[str]]:
+    """The SQL statements the store's writes send while inside."""
+    seen: list[str] = []
+
+    def record(conn: object, cursor: object, statement: str, *args: object) -> None:
+        seen.append(statement)
+
+    engine = store.db.write_engine.sync_engine
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+async def test_a_status_change_costs_the_same_whatever_the_chain_length(store: Store) -> None:
+    """Each report reads and writes one job and one or two tasks: the same statements for a
+    chain of 3 as for a chain of 300."""
+    per_length: dict[int, list[int]] = {}
+    for length in (3, 300):
+        job_id, _ = await store.submit(new_job(chain(length)))
+        epoch = await assign(store, job_id)
+        sizes = per_length.setdefault(length, [])
+        with statements(store) as seen:
+            for task_id in range(2):
+                for status in (S.STARTING, S.RUNNING, S.SUCCEEDED):
+                    before = len(seen)
+                    await accepted(store, "c1", transition(job_id, epoch, status, task_id=task_id))
+                    sizes.append(len(seen) - before)
+        job = await store.get_job(job_id)
+        assert job is not None
+        assert (job.current_task_id, job.status) == (2, S.PENDING)
+    assert per_length[3] == per_length[300], per_length
+
+
+async def test_finish_closes_unfinished_tasks_along_the_table(store: Store) -> None:
+    followed = Followed(store)
+    job_id, _ = await store.submit(new_job(chain(3)))
+    epoch = await assign(store, job_id)
+    for status in (S.STARTING, S.RUNNING):
+        await accepted(store, "c1", transition(job_id, epoch, status))
+    await Cancels(store, Outbox()).cancel(Targets(job_ids=[job_id]))
+    # The lifecycle ended without a final status (a bug, or a refused report): a RUNNING
+    # task cannot become CANCELLED (the table forbids it), so it fails with the reason.
+    await accepted(store, "c1", finished(job_id, epoch, "the scheduler refused a report"))
+    job = await store.get_job(job_id)
+    assert job is not None and job.schedule_state == St.DONE
+    assert [t.status for t in job.tasks] == [S.FAILED_CONTROLLER, S.CANCELLED, S.CANCELLED]
+    assert job.tasks[0].failure_reason == "the scheduler refused a report"
+    assert job.status == S.FAILED_CONTROLLER
+    assert await followed.matches_a_recount(store)
+    # A repeat is harmless; a stale finish is refused.
+    await accepted(store, "c1", finished(job_id, epoch))
+    [ack] = await report(store, "c1", finished(job_id, epoch + 1))
+    assert ack.refusal == Refusal.STALE
+
+
+async def test_release_frees_slots_and_marks_starting_recovering(store: Store) -> None:
+    followed = Followed(store)
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
-    await store.apply_transition(transition(job_id, epoch, S.STARTING), "c1")
-    moves = await store.release_replica("c1")
+    await accepted(store, "c1", transition(job_id, epoch, S.STARTING))
+    moves = await Reports(store).release_replica("c1")
     assert [(m.old, m.new, m.new_controller) for m in moves] == [(St.LAUNCHING, St.ALIVE, None)]
     job = await store.get_job(job_id)
     assert job is not None
     assert job.status == S.RECOVERING and job.controller_id == ""
     assert [o.id for o in await store.orphans(10)] == [job_id]
+    # Released twice (two expiries racing): the second finds nothing and counts nothing.
+    assert await Reports(store).release_replica("c1") == []
+    assert await followed.matches_a_recount(store)
 
 
-async def test_recount_matches_states(store: Store) -> None:
-    ids = [(await store.submit(new_job()))[0] for _ in range(3)]
-    await assign(store, ids[0], "c1")
-    await assign(store, ids[1], "c2")
-    counts = await store.recount()
-    assert counts[("c1", St.LAUNCHING)] == 1
-    assert counts[("c2", St.LAUNCHING)] == 1
-    assert counts[(None, St.WAITING)] == 1
+async def test_handback_releases_only_the_epochs_it_names(store: Store) -> None:
+    followed = Followed(store)
+    a, _ = await store.submit(new_job())
+    b, _ = await store.submit(new_job())
+    epoch_a, epoch_b = await assign(store, a), await assign(store, b)
+    handback = pb.ConnectControllerRequest(
+        job_handback=pb.JobHandback(
+            jobs=[pb.HeldJob(job_id=a, epoch=epoch_a), pb.HeldJob(job_id=b, epoch=epoch_b + 1)]
+        )
+    )
+    await accepted(store, "c1", handback)
+    jobs = {j.job_id: j for j in await store.get_jobs([a, b])}
+    assert (jobs[a].controller_id, jobs[b].controller_id) == ("", "c1")
+    assert await followed.matches_a_recount(store)
+
+
+async def test_reconcile_finds_and_fixes_a_move_nobody_saw(store: Store) -> None:
+    followed = Followed(store)
+    job_id, _ = await store.submit(new_job())
+    # A commit whose outcome was in doubt: the row moved, the counters never heard.
+    async with store.db.write() as session:
+        await session.execute(
+            update(JobRow)
+            .where(JobRow.id == job_id)
+            .values(schedule_state=St.LAUNCHING, controller_id="c1", epoch=1)
+        )
+    assert not await followed.matches_a_recount(store)
+    diff = await followed.counters.reconcile()
+    assert diff == {(None, St.WAITING): -1, ("c1", St.LAUNCHING): 1}
+    assert followed.counters.corrections == 2
+    assert await followed.matches_a_recount(store)
+    assert await followed.counters.reconcile() == {}
+
+
+async def test_cancel_of_an_unstarted_job_is_immediate_and_idempotent(store: Store) -> None:
+    followed = Followed(store)
+    job_id, _ = await store.submit(new_job(chain(2)))
+    cancels = Cancels(store, Outbox())
+    assert await cancels.cancel(Targets(job_ids=[job_id])) == [job_id]
+    assert await cancels.cancel(Targets(job_ids=[job_id])) == []
+    job = await store.get_job(job_id)
+    assert job is not None
+    assert job.status == S.CANCELLED and job.schedule_state == St.DONE
+    assert {t.status for t in job.tasks} == {S.CANCELLED}
+    assert await followed.matches_a_recount(store)
+
+
+async def test_cancel_of_many_jobs_is_one_transaction(store: Store) -> None:
+    ids = [(await store.submit(new_job()))[0] for _ in range(30)]
+    for job_id in ids[:10]:
+        await assign(store, job_id, "c1")
+    outbox = Outbox()
+    stream = outbox.attach("c1")
+    started = store.writes_started
+    cancelled = await Cancels(store, outbox).cancel(Targets(user="alice"))
+    assert cancelled == sorted(ids) and store.writes_started == started + 1
+    told = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    assert sorted(m.cancel.job_id for m in told if m) == sorted(ids[:10])
+
+
+async def test_a_cancel_is_durable_for_the_assignment_that_follows(store: Store) -> None:
+    """Cancel committed first: the assignment read with the move carries it."""
+    job_id, _ = await store.submit(new_job())
+    async with store.db.write() as session:
+        await session.execute(
+            update(JobRow).where(JobRow.id == job_id).values(cancel_requested=True)
+        )
+    _, jobs = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to="c1", fetch=True)
+    assert jobs[0].cancel_requested
+
+
+async def test_a_cancel_after_an_assignment_is_sent_to_the_new_holder(store: Store) -> None:
+    """Assignment committed first: the cancel goes to the holder with its epoch, even if
+    the assignment message has not been sent yet (the replica keeps it for the assignment)."""
+    job_id, _ = await store.submit(new_job())
+    epoch = await assign(store, job_id, "c2")
+    outbox = Outbox()
+    stream = outbox.attach("c2")
+    assert await Cancels(store, outbox).cancel(Targets(job_ids=[job_id])) == [job_id]
+    message = stream.queue.get_nowait()
+    assert message is not None and (message.cancel.job_id, message.cancel.epoch) == (
+        job_id,
+        epoch,
+    )
 
 
 async def test_list_jobs_pages_newest_first_and_filters(store: Store) -> None:
@@ -178,14 +394,15 @@ async def test_list_jobs_pages_newest_first_and_filters(store: Store) -> None:
 
 async def test_events_after_is_ordered_and_filtered(store: Store) -> None:
     a, _ = await store.submit(new_job())
-    b, _ = await store.submit(new_job())
-    await store.cancel_unstarted(a)
+    b, _ = await store.submit(new_job(user="bob"))
+    await Cancels(store, Outbox()).cancel(Targets(job_ids=[a]))
     events = await store.events_after(0)
     assert [e.event_id for e in events] == sorted(e.event_id for e in events)
     assert [e.job_id for e in await store.events_after(0, [a])] == [a, a]
     assert [e.job_id for e in await store.events_after(events[0].event_id, [b])] == [b]
+    assert {e.job_id for e in await store.events_after(0, user="bob")} == {b}
 
 
 async def test_tasks_rows_cascade_with_job(store: Store) -> None:
-    await store.submit(new_job("name: c\n---\nname: a\nrun: x\n---\nname: b\n"))
+    await store.submit(new_job(chain(2)))
     assert await count(store, TaskRow) == 2

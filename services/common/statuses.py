@@ -96,6 +96,11 @@ def schedule_transition(old: ScheduleState, new: ScheduleState) -> ScheduleState
     return new
 
 
+def task_sources(new: JobStatus) -> frozenset[JobStatus]:
+    """The statuses from which a task may move to `new` (for conditional bulk updates)."""
+    return frozenset(old for old, allowed in TASK_TRANSITIONS.items() if new in allowed)
+
+
 def task_transition_allowed(old: JobStatus, new: JobStatus) -> bool:
     """Whether a task may move from `old` to `new` (a repeat of the same status is a no-op)."""
     return old == new or new in TASK_TRANSITIONS[old]

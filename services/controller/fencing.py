@@ -1,13 +1,16 @@
 """Fencing: a replica without a valid lease makes no backend call that changes anything.
 
-`LeaseGuard` wraps the replica's backend. Launches and terminations check the
-lease first and raise `LeaseLost` when it ran out; the job's runner then stops
-without cleanup (another replica owns the job now). Reads pass through.
+`LeaseGuard` wraps the replica's backend. Launches, terminations and notices
+need the stream to the scheduler up and the lease valid: while the stream is
+down they wait (at most as long as the lease lasts), then raise `LeaseLost`;
+the job's runner then stops without cleanup (another replica owns the job now).
+Reads pass through. Every such call also carries the job's epoch, so a backend
+that can fence refuses it too: two layers, each tested on its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from services.backends import Backend, ClusterHandle, TaskRequest
 from services.backends.wrapper import BackendWrapper
@@ -15,12 +18,12 @@ from services.controller.link import LeaseLost
 
 
 class LeaseGuard(BackendWrapper):
-    def __init__(self, inner: Backend, lease_valid: Callable[[], bool]) -> None:
+    def __init__(self, inner: Backend, wait_lease: Callable[[], Awaitable[bool]]) -> None:
         super().__init__(inner)
-        self._lease_valid = lease_valid
+        self._wait_lease = wait_lease
 
-    def _check(self, what: str) -> None:
-        if not self._lease_valid():
+    async def _check(self, what: str) -> None:
+        if not await self._wait_lease():
             raise LeaseLost(f"lease lost; not calling {what}")
 
     async def launch(
@@ -29,9 +32,13 @@ class LeaseGuard(BackendWrapper):
         candidate_regions: Sequence[str] = (),
         blocked_regions: Sequence[str] = (),
     ) -> ClusterHandle:
-        self._check(f"launch of {request.cluster_name}")
+        await self._check(f"launch of {request.cluster_name}")
         return await self.inner.launch(request, candidate_regions, blocked_regions)
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
-        self._check(f"terminate of {handle.cluster_name}")
+        await self._check(f"terminate of {handle.cluster_name}")
         await self.inner.terminate(handle, epoch, grace)
+
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        await self._check(f"preemption notice to {handle.cluster_name}")
+        await self.inner.notify_preemption(handle, epoch, deadline)

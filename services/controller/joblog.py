@@ -1,9 +1,12 @@
 """Talking to the logs service: lifecycle log lines and log fetches before teardown.
 
 Lifecycle lines are buffered and shipped in batches by one background task, so
-a job's `note` never waits on the network. A fetch is retried a few times; if
-the logs service stays away the teardown goes ahead (the job must not leak a
-cluster because logs could not be saved), and the lifecycle log says so.
+a job's `note` never waits on the network. A job that finishes waits, at most
+`SHIP_WAIT` seconds, until the lines noted so far are shipped (`shipped`): many
+jobs finishing together share the same shipments instead of queueing behind
+each other. A fetch is retried a few times; if the logs service stays away the
+teardown goes ahead (the job must not leak a cluster because logs could not be
+saved), and the lifecycle log says so.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ log = logging.getLogger(__name__)
 
 BATCH_LINES = 500
 FETCH_ATTEMPTS = 3
+SHIP_WAIT = 2.0
 
 
 class LogsClient:
@@ -31,6 +35,10 @@ class LogsClient:
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = log_service_pb2_grpc.LogServiceStub(self._channel)
         self._lines: list[pb.ControllerLogLine] = []
+        # Lines noted and lines shipped (or given up on) since start, for `shipped`.
+        self._noted = 0
+        self._done = 0
+        self._progressed = asyncio.Event()
         self._wake = asyncio.Event()
         self._flush_interval = flush_interval
         self._task: asyncio.Task[None] | None = None
@@ -43,7 +51,24 @@ class LogsClient:
     def note(self, job_id: int, message: str) -> None:
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
         self._lines.append(pb.ControllerLogLine(job_id=job_id, line=f"{stamp} {message}\n"))
+        self._noted += 1
         self._wake.set()
+
+    async def shipped(self, job_id: int, timeout: float = SHIP_WAIT) -> bool:
+        """Waits until every line noted so far is shipped; False after `timeout` seconds."""
+        target = self._noted
+        self._wake.set()
+
+        async def reached() -> None:
+            while self._done < target:
+                await self._progressed.wait()
+
+        try:
+            await asyncio.wait_for(reached(), timeout)
+        except TimeoutError:
+            log.warning("lifecycle log lines not shipped in time", extra={"job_id": job_id})
+            return False
+        return True
 
     async def _ship(self) -> None:
         while True:
@@ -66,11 +91,25 @@ class LogsClient:
                 )
             except grpc.aio.AioRpcError as error:
                 # Keep the lines for the next try; drop the oldest past a bound.
-                self._lines = (batch + self._lines)[-100_000:]
+                kept = (batch + self._lines)[-100_000:]
+                self._advance(len(batch) + len(self._lines) - len(kept))
+                self._lines = kept
                 log.warning("cannot ship lifecycle logs", extra={"code": error.code().name})
                 return
+            self._advance(len(batch))
 
-    async def fetch(self, job_id: int, task_id: int, epoch: int, handle: ClusterHandle) -> bool:
+    def _advance(self, count: int) -> None:
+        if not count:
+            return
+        self._done += count
+        # Wake every waiter once; later waiters wait on a fresh event.
+        self._progressed.set()
+        self._progressed = asyncio.Event()
+
+    async def fetch(
+        self, job_id: int, task_id: int, epoch: int, handle: ClusterHandle, attempt: int = 0
+    ) -> bool:
+        """Has the logs service copy an attempt's logs off the cluster; False if it could not."""
         request = pb.FetchTaskLogsRequest(
             job_id=job_id,
             task_id=task_id,

@@ -5,29 +5,35 @@ For each task in order: skip what already finished (resume); a task without
 resources), launch under the job's launch slot through the task's strategy
 (strategies.py), report RUNNING and give the slot back, then watch.
 
-Watching looks at the cluster at once (a resumed job may have missed news), then
-each time the backend pushes news of it, or every `poll_interval` when it
-cannot push. Nothing is concluded while the backend is unreachable.
-- Task SUCCEEDED: mark SUCCEEDED first (the user sees it at once), then have
-  the logs copied off the cluster, then tear the cluster down.
-- User code failed: a node being preempted can look like crashed code, so wait
-  a grace period and ask whether the cluster is still healthy. Unhealthy is a
-  preemption; healthy means restart while `max_restarts_on_errors` allows, else
-  FAILED or FAILED_SETUP with the reason (logs copied first).
-- Cluster not UP, or its task unreadable: preempted. Tear it down, RECOVERING,
-  relaunch through the strategy (under a grant), RUNNING with recovery_count + 1.
+Watching (`_until_verdict`) takes one look at the cluster at once (a resumed
+job may have missed news), then sleeps until there is news of it (pushed by the
+backend, or from the replica's batched poll; watch.py). Each look is one
+`Observation`, judged in this order:
+- The task's end first, whatever the cluster's state: a task that SUCCEEDED
+  stays SUCCEEDED even if its cluster vanished right after, and is never run
+  again. SUCCEEDED: mark SUCCEEDED first (the user sees it at once), have the
+  logs copied off the cluster, tear it down. User code failed: a node being
+  preempted can look like crashed code, so wait a grace period and look again:
+  the cluster not UP is a preemption; UP means restart while
+  `max_restarts_on_errors` allows, else FAILED or FAILED_SETUP with the reason.
+- The cluster not UP, or UP with its task unreadable: preempted. Logs are copied
+  off, the cluster torn down, RECOVERING, relaunch through the strategy (under a
+  grant), RUNNING with recovery_count + 1.
+- The backend cannot tell (unreachable): nothing is concluded. The task stays
+  RUNNING with the condition "unreachable since T" (in the lifecycle log and as
+  an event); it is recovered only once the backend says the cluster is gone, or
+  after `unreachable_timeout`.
 - Any other task status is one we do not understand: FAILED_CONTROLLER.
 
 Every status goes through `JobLifecycle.transition`, which refuses any move that
-`TASK_TRANSITIONS` forbids: a bug fails loudly instead of dragging a job
-backwards. Reports go through `JobHost`, whose reports fail once this replica no
-longer holds the job, which ends the lifecycle at once.
+`TASK_TRANSITIONS` forbids. Every teardown copies the attempt's logs off first
+(`_teardown`), and a cluster verified gone is not torn down twice.
 
 `run_job` runs the main path as its own task and then, whatever happened, the
-cleanup (`JobLifecycle.cleanup`): a cancel interrupts the main path wherever it
-waits (for a grant, a launch, a backoff, a poll); the cleanup cancels what never
-ran, terminates every cluster of the job and verifies it is gone, and leaves
-each task in exactly one terminal status.
+cleanup (`cleanup.py`). A report refused because the job moved to another
+replica (`MovedAway`) stops everything at once, silently: the new holder owns
+the job. Any other failure ends the job FAILED_CONTROLLER with the reason,
+after the cleanup was attempted.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from typing import Any, Protocol
 
 from managedjobs.v1 import job_pb2
@@ -45,18 +52,16 @@ from services.backends import (
     BackendUnreachableError,
     ClusterHandle,
     ClusterStatus,
+    Observation,
     PrecheckError,
+    StaleEpochError,
+    TaskEnd,
     TaskRequest,
     TaskStatus,
 )
-from services.common.statuses import (
-    ACTIVE,
-    TASK_TRANSITIONS,
-    TERMINAL,
-    IllegalTransition,
-    JobStatus,
-)
+from services.common.statuses import TASK_TRANSITIONS, TERMINAL, IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
+from services.controller.link import MovedAway
 from services.controller.strategies import NoResources, Slot, Strategy, strategy_for
 
 log = logging.getLogger(__name__)
@@ -64,7 +69,19 @@ S = JobStatus
 
 # Task statuses a running task may report while we keep watching it.
 _IN_PROGRESS = frozenset({TaskStatus.PENDING, TaskStatus.SETTING_UP, TaskStatus.RUNNING})
-_USER_FAILED = frozenset({TaskStatus.FAILED, TaskStatus.FAILED_SETUP})
+News = Observation | BackendError
+
+
+class Watcher(Protocol):
+    """News of one cluster (services/controller/watch.py)."""
+
+    notice_deadline: float | None
+
+    async def next(self, timeout: float | None) -> News | None:
+        """The next news, or None after `timeout` seconds without any."""
+
+    def close(self) -> None:
+        """Stops the news."""
 
 
 class JobHost(Protocol):
@@ -80,16 +97,24 @@ class JobHost(Protocol):
     async def report(
         self, task_id: int, status: JobStatus, message: str = "", **fields: Any
     ) -> None:
-        """Reports a task change; raises once the replica no longer holds the job."""
+        """Reports a task change.
+
+        Raises:
+            MovedAway: the replica no longer holds the job.
+            Refused: the scheduler refused the report (a broken rule).
+        """
 
     def note(self, message: str) -> None:
         """Appends a line to the job's lifecycle log (`mj logs --controller`)."""
 
-    async def fetch_logs(self, task_id: int, handle: ClusterHandle) -> None:
-        """Has the logs service copy the task's logs off the cluster."""
+    async def fetch_logs(self, task_id: int, handle: ClusterHandle, attempt: int) -> None:
+        """Has the logs service copy an attempt's logs off its cluster."""
 
-    async def cluster_changed(self, cluster_name: str, timeout: float) -> None:
-        """Returns when the backend pushes news of the cluster, or after `timeout`."""
+    def watch(self, handle: ClusterHandle) -> Watcher:
+        """Starts news of a cluster."""
+
+    async def look(self, handle: ClusterHandle) -> News:
+        """One observation of the cluster now (batched with other jobs' looks)."""
 
 
 class CleanupFailed(Exception):
@@ -135,6 +160,25 @@ class TaskState:
         self.restart_count = task.restart_count
         self.handle: ClusterHandle | None = None
         self.region = task.region
+        # The current cluster was verified gone: no second teardown.
+        self.gone = False
+        # Since when (event-loop time) the backend could not tell anything of the cluster.
+        self.unreachable_since: float | None = None
+        self.unreachable_timeout: float | None = None
+
+    @property
+    def attempt(self) -> int:
+        """The number of the cluster the task runs on: 1, then one more per recovery or restart."""
+        return 1 + self.recovery_count + self.restart_count
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a look at a cluster calls for."""
+
+    kind: str  # "ended", "lost" or "unknown"
+    why: str = ""
+    end: TaskEnd | None = None
 
 
 class JobLifecycle:
@@ -229,18 +273,8 @@ class JobLifecycle:
                     return S.SUCCEEDED
                 handle = await strategy.launch(request)
                 await self._launched(state, handle, "launched")
-            elif state.status == S.RUNNING:
-                state.handle = self._last_handle(state)
-                self.host.note(
-                    f"task {state.task_id}: resumed; watching {request.cluster_name} "
-                    f"in {state.region or '-'}"
-                )
-                await self.host.slot.release()
             else:
-                # STARTING or RECOVERING when resumed: what became of the cluster is unknown.
-                await self._recover(
-                    state, strategy, request, "resumed: the cluster's state is unknown"
-                )
+                await self._resume(state, strategy, request)
             return await self._watch(state, strategy, request)
         except PrecheckError as error:
             await self.host.slot.release()
@@ -252,6 +286,30 @@ class JobLifecycle:
             await self.transition(state, S.FAILED_NO_RESOURCE, reason, failure_reason=reason)
         return state.status
 
+    async def _resume(self, state: TaskState, strategy: Strategy, request: TaskRequest) -> None:
+        """Takes a task up where a previous holder left it, from one look at its cluster.
+
+        RUNNING: keep watching the same cluster. STARTING or RECOVERING: the
+        previous holder's launch may or may not have happened; a cluster that is up
+        with the task running (or done) is adopted rather than relaunched.
+        """
+        state.handle = self._last_handle(state)
+        name = state.handle.cluster_name
+        if state.status == S.RUNNING:
+            self.host.note(
+                f"task {state.task_id}: resumed; watching {name} in {state.region or '-'}"
+            )
+            await self.host.slot.release()
+            return
+        seen = await self.host.look(state.handle)
+        if isinstance(seen, Observation) and (
+            (seen.end is not None and seen.end.status == TaskStatus.SUCCEEDED)
+            or (seen.cluster == ClusterStatus.UP and (seen.task in _IN_PROGRESS or seen.end))
+        ):
+            await self._launched(state, state.handle, f"resumed: {name} is up; adopted")
+            return
+        await self._recover(state, strategy, request, "resumed: the cluster's state is unknown")
+
     def _last_handle(self, state: TaskState) -> ClusterHandle:
         """The task's cluster as last known, found by name (from another process if need be)."""
         if state.handle is not None:
@@ -261,8 +319,9 @@ class JobLifecycle:
 
     async def _launched(self, state: TaskState, handle: ClusterHandle, what: str) -> None:
         state.handle = handle
-        state.region = handle.region
-        where = handle.region or "-"
+        state.gone = False
+        state.region = handle.region or state.region
+        where = state.region or "-"
         await self.transition(state, S.RUNNING, f"{what} on {handle.cluster_name} in {where}")
         await self.host.slot.release()
 
@@ -272,8 +331,7 @@ class JobLifecycle:
         lost = self._last_handle(state)
         if state.status != S.RECOVERING:
             await self.transition(state, S.RECOVERING, why)
-        await self._terminate(lost)
-        state.handle = None
+        await self._teardown(state, lost)
         number = state.recovery_count + 1
         self.host.note(
             f"task {state.task_id}: recovery {number} with {strategy.name}; "
@@ -283,63 +341,117 @@ class JobLifecycle:
         state.recovery_count = number
         await self._launched(state, handle, f"recovery {number}: running")
 
+    # --- watching ----------------------------------------------------------------------------
+
     async def _watch(self, state: TaskState, strategy: Strategy, request: TaskRequest) -> JobStatus:
-        look_now = True
         while True:
+            verdict = await self._until_verdict(state)
             assert state.handle is not None
             handle = state.handle
-            if not look_now:
-                await self.host.cluster_changed(handle.cluster_name, self.config.poll_interval)
-            look_now = False
-            seen = await self._observe(handle)
-            if seen is None:
-                continue
-            cluster, status = seen
-            if cluster != ClusterStatus.UP or status is None:
-                what = "its task is unreadable" if cluster == ClusterStatus.UP else cluster.value
-                self.host.note(
-                    f"task {state.task_id}: {handle.cluster_name} in {handle.region or '-'} "
-                    f"is {what}: preempted"
-                )
-                await self._recover(state, strategy, request, f"{handle.cluster_name} was lost")
-                look_now = True
-                continue
-            if status == TaskStatus.SUCCEEDED:
-                return await self._succeeded(state, handle)
-            if status in _USER_FAILED:
-                final = await self._user_failed(state, strategy, request, handle, status)
+            if verdict.kind == "ended" and verdict.end is not None:
+                if verdict.end.status == TaskStatus.SUCCEEDED:
+                    return await self._succeeded(state, handle, verdict.end)
+                final = await self._user_failed(state, strategy, request, handle, verdict.end)
                 if final is not None:
                     return final
-                look_now = True
-                continue
-            if status not in _IN_PROGRESS:
-                reason = f"unknown task status {status!r} on {handle.cluster_name}"
-                self.host.note(f"task {state.task_id}: {reason}")
-                await self.transition(state, S.FAILED_CONTROLLER, reason, failure_reason=reason)
+            elif verdict.kind == "lost":
+                self.host.note(
+                    f"task {state.task_id}: {handle.cluster_name} in {handle.region or '-'} "
+                    f"{verdict.why}: preempted"
+                )
+                await self._recover(state, strategy, request, f"{handle.cluster_name} was lost")
+            else:
+                self.host.note(f"task {state.task_id}: {verdict.why}")
+                await self.transition(
+                    state, S.FAILED_CONTROLLER, verdict.why, failure_reason=verdict.why
+                )
                 return S.FAILED_CONTROLLER
 
-    async def _observe(
-        self, handle: ClusterHandle
-    ) -> tuple[ClusterStatus, TaskStatus | None] | None:
-        """The cluster's status and its task's, or None when the backend cannot say now."""
+    async def _until_verdict(self, state: TaskState) -> Verdict:
+        """Watches the task's cluster until a look calls for action."""
+        assert state.handle is not None
+        watcher = self.host.watch(state.handle)
         try:
-            if await self.backend.reachable():
-                cluster = await self.backend.cluster_status(handle)
-                up = cluster == ClusterStatus.UP
-                return cluster, (await self.backend.task_status(handle) if up else None)
-            why = "backend unreachable"
-        except BackendError as error:
-            why = f"backend error ({error})"
-        self.host.note(f"{handle.cluster_name}: {why}; concluding nothing, looking again later")
+            news: News | None = await self.host.look(state.handle)
+            while True:
+                verdict = await self._judge(state, news)
+                if verdict is not None:
+                    return verdict
+                news = await watcher.next(self._next_deadline(state))
+        finally:
+            watcher.close()
+
+    def _next_deadline(self, state: TaskState) -> float | None:
+        """How long to wait for news at most: until the unreachable timeout, if counting."""
+        if state.unreachable_since is None:
+            return None
+        timeout = state.unreachable_timeout or self.config.unreachable_timeout
+        return max(0.0, state.unreachable_since + timeout - self.config.monotonic())
+
+    async def _judge(self, state: TaskState, news: News | None) -> Verdict | None:
+        assert state.handle is not None
+        name = state.handle.cluster_name
+        if news is None or isinstance(news, BackendError):
+            return await self._unreachable(state, news)
+        if state.unreachable_since is not None:
+            state.unreachable_since = None
+            await self._condition(state, f"{name} answers again", "")
+        end = news.end
+        if end is None and isinstance(news.task, TaskStatus) and news.task.finished:
+            # A finished status is an end, even from a backend that gave no end time.
+            end = TaskEnd(news.task, None, self.config.clock())
+        if end is not None:
+            return Verdict("ended", end=end)
+        if news.cluster != ClusterStatus.UP:
+            return Verdict("lost", f"is {news.cluster.value}")
+        if news.task is None:
+            return Verdict("lost", "is up but its task is unreadable")
+        if news.task in _IN_PROGRESS:
+            return None
+        return Verdict("unknown", f"unknown task status {news.task!r} on {name}")
+
+    async def _unreachable(self, state: TaskState, error: BackendError | None) -> Verdict | None:
+        """Nothing is concluded while the backend cannot tell, until the timeout."""
+        assert state.handle is not None
+        now = self.config.monotonic()
+        if state.unreachable_since is None:
+            if error is None:
+                return None  # a quiet interval, nothing to say
+            state.unreachable_since = now
+            if isinstance(error, BackendUnreachableError) and error.timeout is not None:
+                state.unreachable_timeout = error.timeout
+            since = time.strftime("%H:%M:%S", time.gmtime(self.config.clock()))
+            condition = f"{state.handle.cluster_name} unreachable since {since} UTC ({error})"
+            await self._condition(state, f"{condition}; concluding nothing yet", condition)
+            return None
+        timeout = state.unreachable_timeout or self.config.unreachable_timeout
+        if now - state.unreachable_since >= timeout:
+            state.unreachable_since = None
+            return Verdict("lost", f"stayed unreachable for {timeout:g}s")
         return None
 
-    async def _succeeded(self, state: TaskState, handle: ClusterHandle) -> JobStatus:
-        end = await self._end_time(handle)
-        await self.transition(
-            state, S.SUCCEEDED, f"succeeded on {handle.cluster_name}", end_time=end
+    async def _condition(self, state: TaskState, message: str, condition: str) -> None:
+        """A visible condition of a running task (no status change): set or cleared ("")."""
+        self.host.note(f"task {state.task_id}: {message}")
+        await self.host.report(
+            state.task_id,
+            state.status,
+            message,
+            cluster_name=state.handle.cluster_name if state.handle else "",
+            region=state.region,
+            resources=state.task.resources,
+            recovery_count=state.recovery_count,
+            restart_count=state.restart_count,
+            condition=condition,
         )
-        await self.host.fetch_logs(state.task_id, handle)
-        await self._terminate(handle)
+
+    # --- outcomes ------------------------------------------------------------------------------
+
+    async def _succeeded(self, state: TaskState, handle: ClusterHandle, end: TaskEnd) -> JobStatus:
+        await self.transition(
+            state, S.SUCCEEDED, f"succeeded on {handle.cluster_name}", end_time=end.end_time
+        )
+        await self._teardown(state, handle)
         return S.SUCCEEDED
 
     async def _user_failed(
@@ -348,74 +460,98 @@ class JobLifecycle:
         strategy: Strategy,
         request: TaskRequest,
         handle: ClusterHandle,
-        status: TaskStatus,
+        end: TaskEnd,
     ) -> JobStatus | None:
         """Tells crashed user code from a preemption; None when the task goes on running."""
-        what = "setup" if status == TaskStatus.FAILED_SETUP else "run"
+        what = "setup" if end.status == TaskStatus.FAILED_SETUP else "run"
+        code = f" with exit code {end.exit_code}" if end.exit_code is not None else ""
         self.host.note(
-            f"task {state.task_id}: user {what} failed on {handle.cluster_name}; "
+            f"task {state.task_id}: user {what} failed{code} on {handle.cluster_name}; "
             f"checking the cluster after a {self.config.grace_seconds:g}s grace period"
         )
         await self.config.sleep(self.config.grace_seconds)
-        try:
-            reachable = await self.backend.reachable()
-            healthy = reachable and await self.backend.cluster_status(handle) == ClusterStatus.UP
-        except BackendError:
-            reachable = False
-        if not reachable:
+        seen = await self.host.look(handle)
+        if isinstance(seen, BackendError):
             # Conclude nothing: the next look sees the failure again and decides then.
             self.host.note(f"task {state.task_id}: backend unreachable; deciding later")
             return None
-        if not healthy:
+        if seen.cluster != ClusterStatus.UP:
             self.host.note(f"task {state.task_id}: {handle.cluster_name} went down: preempted")
             await self._recover(state, strategy, request, f"{handle.cluster_name} was lost")
             return None
-        await self.host.fetch_logs(state.task_id, handle)
         if strategy.may_restart(state.restart_count):
+            attempt = state.attempt
             state.restart_count += 1
             reason = f"user {what} failed; restart {state.restart_count} of {strategy.max_restarts}"
             await self.transition(state, S.RECOVERING, reason)
-            await self._terminate(handle)
+            await self._teardown(state, handle, attempt=attempt)
             state.handle = None
             new = await strategy.restart(request, handle)
             await self._launched(state, new, f"restart {state.restart_count}: running")
             return None
-        final = S.FAILED_SETUP if status == TaskStatus.FAILED_SETUP else S.FAILED
-        reason = f"user {what} exited non-zero on {handle.cluster_name}"
+        final = S.FAILED_SETUP if end.status == TaskStatus.FAILED_SETUP else S.FAILED
+        reason = f"user {what} exited non-zero{code} on {handle.cluster_name}"
         if strategy.max_restarts:
             reason += f" after {state.restart_count} restarts"
-        end = await self._end_time(handle)
-        await self.transition(state, final, reason, failure_reason=reason, end_time=end)
-        await self._terminate(handle)
+        await self.transition(state, final, reason, failure_reason=reason, end_time=end.end_time)
+        await self._teardown(state, handle)
         return final
 
-    async def _end_time(self, handle: ClusterHandle) -> float:
-        try:
-            end = await self.backend.task_end(handle)
-            return end.end_time if end is not None else self.config.clock()
-        except BackendError:
-            return self.config.clock()
+    # --- teardown -----------------------------------------------------------------------------
 
-    # --- cleanup ---------------------------------------------------------------------------
-
-    async def _terminate(self, handle: ClusterHandle) -> None:
-        """Terminates a cluster and verifies it is gone.
+    async def _teardown(
+        self,
+        state: TaskState,
+        handle: ClusterHandle,
+        grace: float = 0.0,
+        attempt: int | None = None,
+    ) -> None:
+        """Copies the attempt's logs off the cluster, then terminates it and verifies it is gone.
 
         Raises:
-            CleanupFailed: it was still there after `terminate_attempts` attempts.
+            CleanupFailed: it could not be terminated (resources may have leaked).
+            MovedAway: a newer epoch of the job holds the cluster.
+        """
+        if state.gone and state.handle is handle:
+            return
+        await self.host.fetch_logs(state.task_id, handle, attempt or state.attempt)
+        await self._terminate(handle, grace)
+        if state.handle is handle or state.handle is None:
+            state.gone = True
+
+    async def _terminate(self, handle: ClusterHandle, grace: float = 0.0) -> None:
+        """Terminates a cluster and verifies it is gone, bounded in time and attempts.
+
+        While the backend is unreachable nothing is concluded and attempts are not
+        counted, but only for `unreachable_timeout`: then the cleanup has failed.
+
+        Raises:
+            CleanupFailed: still there after `terminate_attempts` attempts, or the backend
+                stayed unreachable past `unreachable_timeout`.
+            MovedAway: a newer epoch of the job holds the cluster.
         """
         name = handle.cluster_name
         attempts = max(1, self.config.terminate_attempts)
         attempt = 0
+        unreachable_since: float | None = None
         while True:
             try:
-                await self.backend.terminate(handle, self.host.epoch)
+                await self.backend.terminate(handle, self.host.epoch, grace)
                 if not await self.backend.cluster_exists(name):
                     return
                 error = "it still exists after terminate"
+            except StaleEpochError as stale:
+                raise MovedAway(f"terminate {name}: {stale}") from stale
             except BackendUnreachableError as unreachable:
-                # Nothing can be concluded while the backend cannot answer: wait, uncounted.
-                self.host.note(f"terminate {name}: {unreachable}; retrying")
+                now = self.config.monotonic()
+                if unreachable_since is None:
+                    unreachable_since = now
+                    self.host.note(f"terminate {name}: {unreachable}; retrying until it answers")
+                elif now - unreachable_since >= self.config.unreachable_timeout:
+                    raise CleanupFailed(
+                        f"cluster {name} could not be terminated: the backend stayed unreachable "
+                        f"for {self.config.unreachable_timeout:g}s; it may have leaked"
+                    ) from unreachable
                 await self.config.sleep(self.config.terminate_retry_delay)
                 continue
             except BackendError as failed:
@@ -428,123 +564,13 @@ class JobLifecycle:
                 )
             await self.config.sleep(self.config.terminate_retry_delay * attempt)
 
-    async def cleanup(self, cancelled: bool, error: str = "") -> None:
-        """Ends every unfinished task and removes every cluster of the job.
-
-        With `cancelled`, a task in flight goes CANCELLING, then CANCELLED once its
-        cluster is verified gone. Tasks that never ran end CANCELLED either way
-        (after a cancel, or after an earlier task did not succeed). A task whose
-        cluster cannot be terminated ends FAILED_CONTROLLER with the reason, even
-        from a terminal status. A task the main path left in flight without a
-        cancel (it raised `error`) ends FAILED_CONTROLLER.
-        """
-        await self.host.slot.release()
-        if cancelled:
-            for state in self.tasks:
-                if state.status in ACTIVE - {S.CANCELLING}:
-                    await self.transition(state, S.CANCELLING, "cancel requested")
-        failures: dict[int, str] = {}
-        for state in self.tasks:
-            if state.status == S.PENDING or not state.task.spec.run:
-                continue  # never launched: no cluster can exist
-            handle = self._last_handle(state)
-            try:
-                await self._terminate(handle)
-            except CleanupFailed as failed:
-                failures[state.task_id] = f"cleanup failed: {failed}"
-                continue
-            self.host.note(f"task {state.task_id}: {handle.cluster_name} is gone")
-        for state in self.tasks:
-            failure = failures.get(state.task_id)
-            if failure:
-                if state.status != S.FAILED_CONTROLLER:
-                    await self.transition(
-                        state, S.FAILED_CONTROLLER, failure, failure_reason=failure
-                    )
-            elif state.status == S.CANCELLING:
-                await self.transition(state, S.CANCELLED, "cancelled; its cluster is gone")
-            elif state.status == S.PENDING:
-                why = "cancelled" if cancelled else "not run: an earlier task did not succeed"
-                await self.transition(state, S.CANCELLED, why)
-            elif state.status in ACTIVE:
-                reason = error or "the lifecycle stopped before the task finished"
-                await self.transition(state, S.FAILED_CONTROLLER, reason, failure_reason=reason)
-
-
-class CancelRequest:
-    """A job's cancel request: set once, from any task; interrupts the main path at once.
-
-    Cheaper than an `asyncio.Event` plus a task waiting on it, which matters with
-    20,000 jobs on one replica.
-    """
-
-    def __init__(self, requested: bool = False) -> None:
-        self._requested = requested
-        self._main: asyncio.Task[None] | None = None
-
-    def set(self) -> None:
-        """Requests the cancel (idempotent)."""
-        self._requested = True
-        if self._main is not None and not self._main.done():
-            self._main.cancel()
-
-    def is_set(self) -> bool:
-        return self._requested
-
-
-async def run_job(
-    lifecycle: JobLifecycle,
-    cancel: CancelRequest,
-    stop_on: tuple[type[BaseException], ...] = (),
-) -> None:
-    """Runs a job's main path, then its cleanup, whatever happened (SPEC §6, §8).
-
-    The main path runs as its own task, so that a cancel interrupts it wherever it
-    waits (for a grant, a launch, a backoff, a poll) at once, and the cleanup
-    still runs here afterwards. The cleanup itself is never interrupted by a
-    cancel: it is already ending the job, so every task ends in exactly one
-    terminal status and no cluster is left.
-
-    Args:
-        lifecycle: The job.
-        cancel: Its cancel request, set before or during the run.
-        stop_on: Errors that mean this replica no longer holds the job: re-raised at
-            once, without cleanup (the new holder cleans up).
-
-    Cancelling the task that runs `run_job` (a revoke) stops the main path too and
-    reports nothing more.
-    """
-    cancelled = cancel.is_set() or lifecycle.cancelling
-    error = ""
-    if not cancelled:
-        main = asyncio.create_task(lifecycle.run(), name=f"lifecycle-{lifecycle.job.job_id}")
-        cancel._main = main
-        try:
-            await asyncio.wait({main})
-        finally:
-            cancel._main = None
-            if not main.done():
-                main.cancel()
-                # The main path unwinds (its awaits are cancelled) before anything else.
-                await asyncio.wait({main})
-        cancelled = main.cancelled() or cancel.is_set()
-        failure = None if main.cancelled() else main.exception()
-        if failure is not None:
-            if isinstance(failure, stop_on):
-                raise failure
-            log.error("lifecycle failed", exc_info=failure, extra={"job_id": lifecycle.job.job_id})
-            error = f"controller error: {failure!r}"
-            lifecycle.host.note(error)
-    await lifecycle.cleanup(cancelled, error=error)
-
 
 __all__ = [
-    "CancelRequest",
     "CleanupFailed",
     "JobHost",
     "JobLifecycle",
     "TaskState",
+    "Watcher",
     "cluster_name",
-    "run_job",
     "task_request",
 ]

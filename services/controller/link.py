@@ -7,6 +7,13 @@ an answer go through `call`, which waits for the matching ack; requests not yet
 acked when a stream breaks are sent again, in order, on the next one. While the
 stream is down for longer than the lease, `on_lease_lost` fires: the scheduler
 has given this replica's jobs away and the replica must stop acting for them.
+
+The lease as this replica sees it never outlives the scheduler's: it is renewed
+from the time a heartbeat was *sent* (when its ack comes back), not from when
+an answer arrived, and ends a margin before the TTL. The scheduler renews on
+receipt, which is later; so acks buffered through a stall (SIGSTOP, a long
+pause) cannot make a stale replica believe it still holds its jobs. A backend
+call that changes anything also needs the stream to be up (`wait_lease`).
 """
 
 from __future__ import annotations
@@ -32,10 +39,18 @@ class StreamBroken(Exception):
 
 
 class Rejected(Exception):
-    """The scheduler refused a request (a stale epoch, or a transition it forbids)."""
+    """The scheduler refused a request."""
 
 
-class LeaseLost(Rejected):
+class MovedAway(Rejected):
+    """The job is not this replica's at this epoch any more: stop acting for it, silently."""
+
+
+class Refused(Rejected):
+    """The report broke a rule: the job must end FAILED_CONTROLLER, cleaned up."""
+
+
+class LeaseLost(MovedAway):
     """This replica's lease ran out: it must not act for any job."""
 
 
@@ -66,17 +81,42 @@ class Link:
         self.lease_ttl = 10.0
         self.heartbeat_interval = 2.0
         self.last_renewal = 0.0
+        self._sent_at: dict[int, float] = {}
         self._lease_timer: asyncio.Task[None] | None = None
 
-    def lease_valid(self) -> bool:
-        """Whether the scheduler surely still counts this replica's lease.
+    @property
+    def lease_margin(self) -> float:
+        """How long before the TTL this replica stops counting on its lease."""
+        return min(self.heartbeat_interval, self.lease_ttl / 4)
 
-        The scheduler renews a lease on every message it receives and this replica
-        renews its view on every answer (heartbeats are acked), so this view runs
-        out no later than the scheduler's; a pause (SIGSTOP) past the TTL shows
+    def lease_left(self) -> float:
+        """Seconds the scheduler surely still counts this replica's lease (≤ 0: none)."""
+        if not self.last_renewal:
+            return 0.0
+        return self.last_renewal + self.lease_ttl - self.lease_margin - self._clock()
+
+    def lease_valid(self) -> bool:
+        """Whether the stream is up and the scheduler surely still counts the lease.
+
+        The scheduler renews a lease when a message arrives; this view is renewed
+        from when the acknowledged heartbeat was sent, and ends a margin early, so
+        it runs out before the scheduler's. A pause (SIGSTOP) past the TTL shows
         here at once, before any further backend call.
         """
-        return self.last_renewal > 0 and self._clock() - self.last_renewal < self.lease_ttl
+        return self.connected.is_set() and self.lease_left() > 0
+
+    async def wait_lease(self) -> bool:
+        """Waits (at most as long as the lease lasts) for the stream to be up; True if the
+        lease is valid then."""
+        left = self.lease_left()
+        if left <= 0:
+            return False
+        if not self.connected.is_set():
+            try:
+                await asyncio.wait_for(self.connected.wait(), left)
+            except TimeoutError:
+                return False
+        return self.lease_valid()
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -100,7 +140,9 @@ class Link:
         finally:
             self._unacked.pop(request.seq, None)
         if not ack.accepted:
-            raise Rejected(ack.reason)
+            if ack.refusal == pb.REPORT_REFUSAL_STALE_EPOCH:
+                raise MovedAway(ack.reason)
+            raise Refused(ack.reason or "refused")
         return ack
 
     def notify(self, **message: Any) -> None:
@@ -134,15 +176,15 @@ class Link:
             stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
             self._outbox = asyncio.Queue()
             hello = self._envelope(hello=self._hello())
+            self._sent_at = {}
             call = stub.ConnectController(self._requests(hello), metadata=self._metadata)
             heartbeats: asyncio.Task[None] | None = None
             try:
                 async for response in call:
                     if response.WhichOneof("message") == "welcome":
-                        self._welcomed(response.welcome)
+                        self._welcomed(response.welcome, self._sent_at.pop(hello.seq, 0.0))
                         heartbeats = asyncio.create_task(self._heartbeats())
                         continue
-                    self._renewed()
                     if response.WhichOneof("message") == "ack":
                         self._acked(response.ack)
                     else:
@@ -164,18 +206,22 @@ class Link:
     async def _requests(
         self, hello: pb.ConnectControllerRequest
     ) -> AsyncIterator[pb.ConnectControllerRequest]:
+        self._sent_at[hello.seq] = self._clock()
         yield hello
         outbox = self._outbox
         while True:
             request = await outbox.get()
             if request is None:
                 return
+            if request.WhichOneof("message") == "heartbeat":
+                # The lease is renewed from the moment the heartbeat leaves, once it is acked.
+                self._sent_at[request.seq] = self._clock()
             yield request
 
-    def _welcomed(self, welcome: pb.ControllerWelcome) -> None:
+    def _welcomed(self, welcome: pb.ControllerWelcome, hello_sent: float) -> None:
         self.lease_ttl = welcome.lease_ttl_seconds or self.lease_ttl
         self.heartbeat_interval = welcome.heartbeat_interval_seconds or self.heartbeat_interval
-        self._renewed()
+        self._renewed(hello_sent or self._clock())
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
@@ -185,10 +231,13 @@ class Link:
             self._outbox.put_nowait(self._unacked[seq][0])
         log.info("connected to the scheduler", extra={"address": self.address})
 
-    def _renewed(self) -> None:
-        self.last_renewal = self._clock()
+    def _renewed(self, sent_at: float) -> None:
+        self.last_renewal = max(self.last_renewal, sent_at)
 
     def _acked(self, ack: pb.ReportAck) -> None:
+        sent_at = self._sent_at.pop(ack.ack_seq, None)
+        if sent_at is not None:
+            self._renewed(sent_at)
         entry = self._unacked.get(ack.ack_seq)
         if entry is not None and not entry[1].done():
             entry[1].set_result(ack)

@@ -5,11 +5,17 @@ that starts, cancels and reaps them. A runner runs the lifecycle's main path as
 an inner task, so that a cancel request can cancel just that task and still run
 the cleanup, while a revoke (the job moved away, or this replica lost its lease)
 cancels the runner itself: it stops at once and reports nothing more.
+
+A cancel can reach the replica before the assignment it belongs to (both are
+sent by the scheduler as soon as they commit, from different transactions): the
+replica remembers such a cancel by (job, epoch) and applies it when the
+assignment arrives, so no cancel is lost.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -23,18 +29,27 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.backends import Backend, ClusterHandle
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
+from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
 from services.controller.joblog import LogsClient
-from services.controller.lifecycle import CancelRequest, JobLifecycle, cluster_name, run_job
-from services.controller.link import Link, Rejected
+from services.controller.lifecycle import JobLifecycle, News, Watcher
+from services.controller.link import Link, MovedAway, Rejected
 from services.controller.watch import ClusterWatch
 
 log = logging.getLogger(__name__)
 
+# Cancels remembered for assignments not yet arrived; the oldest are forgotten past this.
+EARLY_CANCELS = 10_000
+HANDBACK_TIMEOUT = 5.0
+
 
 class LaunchSlot:
-    """This job's launch slot: requested from the scheduler, granted on the stream."""
+    """This job's launch slot: requested from the scheduler, granted on the stream.
+
+    A launch that ends in RUNNING gives the slot back with that report
+    (`release_slot`), so a launch costs no extra round trip.
+    """
 
     def __init__(self, runner: JobRunner, held: bool) -> None:
         self._runner = runner
@@ -79,9 +94,6 @@ class JobRunner:
         self.slot = LaunchSlot(self, granted)
         self.cancel = CancelRequest(job.cancel_requested)
         self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config)
-        self.clusters = [cluster_name(job.job_id, t.task_id) for t in job.tasks]
-        for name in self.clusters:
-            replica.watch.track(name)
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -89,15 +101,19 @@ class JobRunner:
 
     async def _main(self) -> None:
         try:
-            await run_job(self.lifecycle, self.cancel, stop_on=(Rejected,))
-            self.note("done")
-            # The lifecycle log is complete by the time anyone sees the job DONE.
-            await self.replica.logs.flush()
+            reason = await run_job(self.lifecycle, self.cancel)
+            self.note("done" + (f" ({reason})" if reason else ""))
+            # The lifecycle log is complete by the time anyone sees the job DONE (bounded).
+            await self.replica.logs.shipped(self.job_id)
             await self.replica.link.call(
-                job_finished=pb.JobFinished(job_id=self.job_id, epoch=self.epoch)
+                job_finished=pb.JobFinished(
+                    job_id=self.job_id, epoch=self.epoch, failure_reason=reason
+                )
             )
-        except Rejected as error:
+        except MovedAway as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
+        except Rejected as error:
+            log.error("job finish refused", extra={"job_id": self.job_id, "reason": str(error)})
         finally:
             self.replica.forget(self)
 
@@ -127,20 +143,29 @@ class JobRunner:
             recovery_count=fields.get("recovery_count", 0),
             restart_count=fields.get("restart_count", 0),
         )
+        if "condition" in fields:
+            transition.condition = fields["condition"]
         transition.time.FromSeconds(int(time.time()))
         if fields.get("end_time"):
             transition.end_time.FromNanoseconds(int(fields["end_time"] * 1e9))
+        if status == JobStatus.RUNNING and self.slot.held:
+            # Launched: the slot goes back with this report.
+            transition.release_slot = True
+            self.slot.held = False
         await self.replica.link.call(transition=transition)
 
     def note(self, message: str) -> None:
         self.replica.logs.note(self.job_id, message)
 
-    async def fetch_logs(self, task_id: int, handle: ClusterHandle) -> None:
-        if not await self.replica.logs.fetch(self.job_id, task_id, self.epoch, handle):
+    async def fetch_logs(self, task_id: int, handle: ClusterHandle, attempt: int) -> None:
+        if not await self.replica.logs.fetch(self.job_id, task_id, self.epoch, handle, attempt):
             self.note(f"task {task_id}: logs could not be saved before teardown")
 
-    async def cluster_changed(self, cluster_name: str, timeout: float) -> None:
-        await self.replica.watch.wait(cluster_name, timeout)
+    def watch(self, handle: ClusterHandle) -> Watcher:
+        return self.replica.watch.watch(handle)
+
+    async def look(self, handle: ClusterHandle) -> News:
+        return await self.replica.watch.look(handle)
 
     def state(self) -> cpb.ControllerJob:
         current = next(
@@ -171,16 +196,17 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.capacity = capacity
         self.logs = logs
         self.config = config
-        self.watch = ClusterWatch()
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
         self.link = Link(scheduler_address, self.hello, self.on_message, self.on_lease_lost)
-        self.backend: Backend = LeaseGuard(backend, self.link.lease_valid)
+        self.backend: Backend = LeaseGuard(backend, self.link.wait_lease)
+        self.watch = ClusterWatch(self.backend, config.poll_interval)
+        self._early_cancels: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._link_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         self.logs.start()
-        self.watch.start(self.backend)
+        self.watch.start()
         self._link_task = asyncio.create_task(self.link.run(), name="scheduler-link")
 
     def hello(self) -> pb.ControllerHello:
@@ -189,6 +215,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             address=self.address,
             capacity=self.capacity,
             held_jobs=[pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in self.runners.values()],
+            regions=list(self.backend.regions() or ()),
         )
 
     async def on_message(self, message: pb.ConnectControllerResponse) -> None:
@@ -197,8 +224,12 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             self._assign(message.assignment)
             return
         inner = getattr(message, kind) if kind else None
-        runner = self.runners.get(getattr(inner, "job_id", 0))
-        if runner is None or runner.epoch != getattr(inner, "epoch", -1):
+        job_id, epoch = getattr(inner, "job_id", 0), getattr(inner, "epoch", -1)
+        runner = self.runners.get(job_id)
+        if kind == "cancel" and (runner is None or runner.epoch < epoch):
+            self._remember_cancel(job_id, epoch)
+            return
+        if runner is None or runner.epoch != epoch:
             return
         if kind == "launch_slot_grant":
             runner.slot.granted()
@@ -209,6 +240,12 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             runner.note("revoked: the job moved to another replica")
             runner.stop()
 
+    def _remember_cancel(self, job_id: int, epoch: int) -> None:
+        self._early_cancels[job_id] = epoch
+        self._early_cancels.move_to_end(job_id)
+        while len(self._early_cancels) > EARLY_CANCELS:
+            self._early_cancels.popitem(last=False)
+
     def _assign(self, assignment: pb.JobAssignment) -> None:
         job = assignment.job
         current = self.runners.get(job.job_id)
@@ -216,6 +253,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             if current.epoch >= assignment.epoch:
                 return
             current.stop()
+        if self._early_cancels.get(job.job_id) == assignment.epoch:
+            del self._early_cancels[job.job_id]
+            job.cancel_requested = True
         runner = JobRunner(self, job, assignment.epoch, assignment.launch_granted)
         self.runners[job.job_id] = runner
         runner.note(f"assigned to {self.controller_id} (epoch {assignment.epoch})")
@@ -224,8 +264,6 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
     def forget(self, runner: JobRunner) -> None:
         if self.runners.get(runner.job_id) is runner:
             del self.runners[runner.job_id]
-        for name in runner.clusters:
-            self.watch.forget(name)
 
     async def on_lease_lost(self) -> None:
         for runner in list(self.runners.values()):
@@ -233,23 +271,27 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             runner.stop()
 
     async def drain(self) -> None:
-        """Stops taking jobs and hands every job back, unfailed, for another replica."""
+        """Stops taking jobs and hands every job back, unfailed, for another replica.
+
+        Every runner stops at once; the jobs go back in one message, waited for at
+        most `HANDBACK_TIMEOUT` seconds (past that, the lease expiry moves them).
+        """
         self.draining = True
         self.link.notify(draining=pb.ControllerDraining())
         runners = list(self.runners.values())
         for runner in runners:
             runner.note(f"handed back: {self.controller_id} is draining")
             runner.stop()
-        tasks = [r.task for r in runners if r.task is not None]
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for runner in runners:
-            with contextlib.suppress(Rejected, TimeoutError):
-                await asyncio.wait_for(
-                    self.link.call(
-                        job_handback=pb.JobHandback(job_id=runner.job_id, epoch=runner.epoch)
-                    ),
-                    timeout=5,
-                )
+        await asyncio.gather(
+            *(r.task for r in runners if r.task is not None), return_exceptions=True
+        )
+        if not runners:
+            return
+        jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
+        with contextlib.suppress(Rejected, TimeoutError):
+            await asyncio.wait_for(
+                self.link.call(job_handback=pb.JobHandback(jobs=jobs)), HANDBACK_TIMEOUT
+            )
 
     async def close(self) -> None:
         for runner in list(self.runners.values()):

@@ -1,19 +1,19 @@
 """Admission: who may start, who may launch, and on which replica (SPEC §5).
 
-The scheduler keeps, in memory, how many jobs each replica (or nobody) holds in
-each schedule state. `launching` is the LAUNCHING count, `alive` the LAUNCHING,
-ALIVE and ALIVE_WAITING counts together, per replica and in total. The counts
-change only through `apply` (fed by the store's conditional updates, which are
-the truth) and `record`, and are rebuilt from a recount of the database at start.
+Admission owns the registry of replicas that may take work (`connected`,
+`draining`, `gone`) and reads the counters (`counters.py`) to decide. A
+scheduling pass runs whenever something may have freed or needed a slot (every
+committed move kicks it); the kicks coalesce, so a burst of changes costs one
+pass, and nothing polls. The counts tell a pass where there is work, so an idle
+pass touches no database.
 
-A scheduling pass runs whenever something may have freed or needed a slot; the
-kicks coalesce, so a burst of changes costs one pass, and nothing polls. The
-counts tell a pass where there is work, so an idle pass touches no database.
 Order: ALIVE_WAITING before WAITING, each by priority then submission. An
 ALIVE_WAITING job launches when its replica has launching < launch limit; a
 WAITING job also needs a replica with alive < job limit, and goes to the one
 with the most spare room. Jobs whose replica died ("orphans") are placed before
-any new job.
+any new job. A pass moves jobs with conditional UPDATEs (the store's moves feed
+the counters) and tells replicas through the outbox, with each job as committed
+with its move (its cancel flag included).
 """
 
 from __future__ import annotations
@@ -22,24 +22,19 @@ import asyncio
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Sequence
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ALIVE_STATES, ScheduleState
-from services.scheduler.store import Move, Store
+from services.scheduler.counters import Counters
+from services.scheduler.outbox import Outbox
+from services.scheduler.store import ADMITTED_ON, RESUMED_ON, Move, Store
 
 log = logging.getLogger(__name__)
 
 St = ScheduleState
 BATCH = 512
-Key = tuple[str | None, ScheduleState]
-
-
-@dataclasses.dataclass(frozen=True)
-class Slots:
-    launching: int = 0
-    alive: int = 0
 
 
 @dataclasses.dataclass
@@ -57,59 +52,42 @@ class ReplicaInfo:
     controller_id: str
     capacity: pb.Capacity
     draining: bool = False
-
-
-Send = Callable[[str, pb.ConnectControllerResponse], bool]
-
-
-def live_counts(counts: Counter[Key]) -> Counter[Key]:
-    """The counts without DONE jobs and zero entries (what admission keeps)."""
-    return Counter({k: n for k, n in counts.items() if n and k[1] != St.DONE})
+    regions: tuple[str, ...] = ()
 
 
 class Admission:
-    def __init__(self, store: Store, limits: Limits, send: Send) -> None:
+    def __init__(self, store: Store, counters: Counters, outbox: Outbox, limits: Limits) -> None:
         self.store = store
+        self.counters = counters
+        self.outbox = outbox
         self.limits = limits
-        self._send = send
-        self.counts: Counter[Key] = Counter()
         self.replicas: dict[str, ReplicaInfo] = {}
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.passes = 0
 
-    # --- counters ------------------------------------------------------------------------
+    # --- the registry ------------------------------------------------------------------------
 
-    async def rebuild(self) -> None:
-        """Counts from a recount of the database."""
-        self.counts = live_counts(await self.store.recount())
-
-    def apply(self, move: Move | None) -> None:
-        if move is None:
-            return
-        self.record(move.old_controller, move.old, -1)
-        self.record(move.new_controller, move.new, +1)
-
-    def record(self, controller_id: str | None, state: ScheduleState, delta: int) -> None:
-        """Counts jobs entering (+) or leaving (-) a state outside of a Move (submit, cancel)."""
-        if state != St.DONE:
-            self.counts[(controller_id, state)] += delta
-
-    def applied(self, moves: Iterable[Move | None]) -> None:
-        for move in moves:
-            self.apply(move)
+    def connected(self, hello: pb.ControllerHello) -> None:
+        """A replica said hello: it may take work up to its capacity."""
+        self.replicas[hello.controller_id] = ReplicaInfo(
+            hello.controller_id, hello.capacity, regions=tuple(hello.regions)
+        )
         self.kick()
 
-    def slots(self, controller_id: str | None) -> Slots:
-        c = self.counts
-        launching = c[(controller_id, St.LAUNCHING)]
-        alive = launching + c[(controller_id, St.ALIVE)] + c[(controller_id, St.ALIVE_WAITING)]
-        return Slots(launching, alive)
+    def draining(self, controller_id: str) -> None:
+        """The replica takes no new work (draining, or its stream broke)."""
+        info = self.replicas.get(controller_id)
+        if info is not None:
+            info.draining = True
 
-    def totals(self) -> Slots:
-        launching = sum(n for (_, s), n in self.counts.items() if s == St.LAUNCHING)
-        alive = sum(n for (_, s), n in self.counts.items() if s in ALIVE_STATES)
-        return Slots(launching, alive)
+    def gone(self, controller_id: str) -> None:
+        self.replicas.pop(controller_id, None)
+
+    def regions(self) -> frozenset[str] | None:
+        """Regions some connected replica's backend offers; None when none can say."""
+        known = [r.regions for r in self.replicas.values() if r.regions]
+        return frozenset(region for regions in known for region in regions) if known else None
 
     def limit_launches(self, replica: ReplicaInfo) -> int:
         return self.limits.replica_launches or replica.capacity.max_launches
@@ -118,6 +96,10 @@ class Admission:
         return self.limits.replica_jobs or replica.capacity.max_jobs
 
     # --- the pass ------------------------------------------------------------------------
+
+    def moved(self, moves: Sequence[Move]) -> None:
+        """Committed moves may have freed or asked for a slot: schedule soon."""
+        self.kick()
 
     def kick(self) -> None:
         """Asks for a scheduling pass soon; many kicks make one pass."""
@@ -153,20 +135,20 @@ class Admission:
     def _global_launch_room(self) -> int:
         if not self.limits.global_launches:
             return 1 << 30
-        return self.limits.global_launches - self.totals().launching
+        return self.limits.global_launches - self.counters.totals().launching
 
     def _global_job_room(self) -> int:
         if not self.limits.global_jobs:
             return 1 << 30
-        return self.limits.global_jobs - self.totals().alive
+        return self.limits.global_jobs - self.counters.totals().alive
 
     async def _grant_alive_waiting(self) -> None:
         for replica in list(self.replicas.values()):
             cid = replica.controller_id
-            if not self.counts[(cid, St.ALIVE_WAITING)]:
+            if not self.counters.counts[(cid, St.ALIVE_WAITING)]:
                 continue
             room = min(
-                self.limit_launches(replica) - self.slots(cid).launching,
+                self.limit_launches(replica) - self.counters.slots(cid).launching,
                 self._global_launch_room(),
             )
             if room <= 0:
@@ -180,13 +162,7 @@ class Admission:
                 message="launch slot granted",
             )
             for move in moves:
-                self.apply(move)
-                self._send(
-                    cid,
-                    pb.ConnectControllerResponse(
-                        launch_slot_grant=pb.LaunchSlotGrant(job_id=move.job_id, epoch=move.epoch)
-                    ),
-                )
+                self.outbox.grant(cid, move.job_id, move.epoch)
 
     def _best_replica(
         self, need_launch_room: bool, pending: Counter[str] | None = None
@@ -200,7 +176,7 @@ class Admission:
         for replica in self.replicas.values():
             if replica.draining:
                 continue
-            slots = self.slots(replica.controller_id)
+            slots = self.counters.slots(replica.controller_id)
             planned = pending[replica.controller_id] if pending else 0
             room = self.limit_jobs(replica) - slots.alive - planned
             if need_launch_room:
@@ -210,7 +186,7 @@ class Admission:
         return best
 
     def _orphans(self) -> int:
-        return sum(self.counts[(None, s)] for s in ALIVE_STATES)
+        return sum(self.counters.counts[(None, s)] for s in ALIVE_STATES)
 
     async def _place_orphans(self) -> None:
         """Jobs whose replica died go to the replica with the most job room, before any
@@ -228,14 +204,14 @@ class Admission:
                 plan.setdefault((replica.controller_id, row.schedule_state), []).append(row.id)
             for (cid, state), ids in plan.items():
                 moves, jobs = await self.store.move_many(
-                    ids, state, state, assign_to=cid, message=f"resumed on {cid}", fetch=True
+                    ids, state, state, assign_to=cid, message=f"{RESUMED_ON}{cid}", fetch=True
                 )
                 self._assign(cid, moves, jobs, granted=False)
             if not rows or sum(pending.values()) < len(rows):
                 return
 
     async def _admit_waiting(self) -> None:
-        while self.counts[(None, St.WAITING)]:
+        while self.counters.counts[(None, St.WAITING)]:
             room = min(self._global_launch_room(), self._global_job_room())
             if room <= 0 or self._best_replica(need_launch_room=True) is None:
                 return
@@ -250,7 +226,7 @@ class Admission:
                 plan.setdefault(replica.controller_id, []).append(row.id)
             for cid, ids in plan.items():
                 moves, jobs = await self.store.move_many(
-                    ids, St.WAITING, St.LAUNCHING, assign_to=cid, message=f"admitted on {cid}",
+                    ids, St.WAITING, St.LAUNCHING, assign_to=cid, message=f"{ADMITTED_ON}{cid}",
                     fetch=True,
                 )  # fmt: skip
                 self._assign(cid, moves, jobs, granted=True)
@@ -259,20 +235,18 @@ class Admission:
 
     def _assign(self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool) -> None:
         epochs = {m.job_id: m.epoch for m in moves}
-        for move in moves:
-            self.apply(move)
         for job in jobs:
-            assignment = pb.JobAssignment(job=job, epoch=epochs[job.job_id], launch_granted=granted)
-            self._send(cid, pb.ConnectControllerResponse(assignment=assignment))
+            self.outbox.assign(cid, job, epochs[job.job_id], granted)
 
     def state(self) -> pb.GetSchedulerStateResponse:
-        totals = self.totals()
+        totals = self.counters.totals()
         return pb.GetSchedulerStateResponse(
             global_limits=pb.Capacity(
                 max_launches=self.limits.global_launches, max_jobs=self.limits.global_jobs
             ),
             launching=totals.launching,
             alive=totals.alive,
-            waiting=self.counts[(None, St.WAITING)],
-            alive_waiting=sum(n for (_, s), n in self.counts.items() if s == St.ALIVE_WAITING),
+            waiting=self.counters.counts[(None, St.WAITING)],
+            alive_waiting=self.counters.total(St.ALIVE_WAITING),
+            counter_corrections=self.counters.corrections,
         )

@@ -14,13 +14,13 @@ from typing import Any
 import grpc
 
 from managedjobs.v1 import job_service_pb2 as pb
-from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2
+from managedjobs.v1 import job_service_pb2_grpc
 from services.common.errors import InvalidArgument, NotFound, rpc_errors
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
+from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.events import EventBus
 from services.scheduler.intake import Intake
-from services.scheduler.replicas import Replicas
 from services.scheduler.spec import SpecError, parse_job_spec
 from services.scheduler.store import NewJob, Store
 
@@ -77,18 +77,12 @@ class SentEvents:
 
 
 class JobApi(job_service_pb2_grpc.JobServiceServicer):
-    def __init__(
-        self, store: Store, bus: EventBus, admission: Admission, replicas: Replicas
-    ) -> None:
+    def __init__(self, store: Store, bus: EventBus, admission: Admission, cancels: Cancels) -> None:
         self.store = store
         self.bus = bus
         self.admission = admission
-        self.replicas = replicas
-        self.intake = Intake(store, self._submitted)
-
-    def _submitted(self, created: int) -> None:
-        self.admission.record(None, ScheduleState.WAITING, created)
-        self.admission.kick()
+        self.cancels = cancels
+        self.intake = Intake(store)
 
     @rpc_errors
     async def SubmitJob(
@@ -173,33 +167,14 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("user: required with all")
         if request.job_ids:
             wanted = set(request.job_ids)
-            found = await self.store.job_ids(ids=wanted)
-            missing = sorted(wanted - {job_id for job_id, _ in found})
+            missing = sorted(wanted - set(await self.store.job_owners(wanted)))
             if missing:
                 raise NotFound(
-                    f"job_ids: no job {', '.join(map(str, missing))}",
-                    job_ids=",".join(map(str, missing)),
+                    f"job_ids: no job {', '.join(map(str, missing[:20]))}",
+                    job_ids=",".join(map(str, missing[:20])),
                 )
-            targets = await self.store.job_ids(ids=wanted, user=request.user, active_only=True)
-        else:
-            targets = await self.store.job_ids(
-                name=request.name, user=request.user, active_only=True
-            )
-        cancelled = [job_id for job_id, _ in targets]
-        live = []
-        for job_id in cancelled:
-            if await self.store.cancel_unstarted(job_id):
-                self.admission.record(None, ScheduleState.WAITING, -1)
-            else:
-                live.append(job_id)
-        for job_id, controller_id, epoch in await self.store.request_cancel(live):
-            if controller_id is not None:
-                self.replicas.send(
-                    controller_id,
-                    scheduler_service_pb2.ConnectControllerResponse(
-                        cancel=scheduler_service_pb2.JobCancel(job_id=job_id, epoch=epoch)
-                    ),
-                )
+        targets = Targets(job_ids=sorted(request.job_ids), name=request.name, user=request.user)
+        cancelled = await self.cancels.cancel(targets)
         return pb.CancelJobsResponse(cancelled_job_ids=cancelled)
 
     @rpc_errors
@@ -210,10 +185,9 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("after_event_id: must not be negative")
         job_ids = list(request.job_ids)
         if job_ids:
-            found = {job_id for job_id, _ in await self.store.job_ids(ids=job_ids)}
-            missing = sorted(set(job_ids) - found)
+            missing = sorted(set(job_ids) - set(await self.store.job_owners(job_ids)))
             if missing:
-                raise NotFound(f"job_ids: no job {', '.join(map(str, missing))}")
+                raise NotFound(f"job_ids: no job {', '.join(map(str, missing[:20]))}")
         subscription = self.bus.subscribe(job_ids)
         try:
             # Transactions commit in id order but may publish out of it, so the live

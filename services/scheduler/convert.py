@@ -50,6 +50,8 @@ def task_message(row: TaskLike, with_spec: bool) -> job_pb2.Task:
         recovery_count=row.recovery_count,
         restart_count=row.restart_count,
         failure_reason=row.failure_reason,
+        condition=row.condition,
+        condition_time=timestamp(row.condition_time),
     )
     if with_spec:
         task.spec.ParseFromString(row.spec)

@@ -27,11 +27,26 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+# SQLSTATE classes and codes that mean the server cannot serve now: connection
+# exceptions (08), and shutting down or starting up (57P01-57P03).
+_UNAVAILABLE_SQLSTATES = ("08", "57P01", "57P02", "57P03", "53300")
+
+
+def _sqlstate(exc: BaseException) -> str:
+    for candidate in (exc, getattr(exc, "orig", None), getattr(exc, "__cause__", None)):
+        code = getattr(candidate, "sqlstate", None) or getattr(candidate, "pgcode", None)
+        if isinstance(code, str):
+            return code
+    return ""
+
+
 def is_unreachable(exc: BaseException) -> bool:
     """Whether an error means "the database cannot be reached", not "the request is bad"."""
     if isinstance(exc, OperationalError | InterfaceError):
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    if _sqlstate(exc).startswith(_UNAVAILABLE_SQLSTATES):
         return True
     return isinstance(exc, OSError | ConnectionError | TimeoutError)
 

@@ -2,23 +2,20 @@
 
 Each call queues its job and waits. One worker commits whatever has queued, up
 to `max_batch` at a time; while a commit is in flight the next batch gathers.
-A lone submission commits at once, so batching adds no latency when idle.
+A lone submission commits at once, so batching adds no latency when idle. The
+store's move hook counts the new jobs and kicks admission once they committed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 
 from services.scheduler.store import NewJob, Store
 
 
 class Intake:
-    def __init__(
-        self, store: Store, on_commit: Callable[[int], None], max_batch: int = 512
-    ) -> None:
+    def __init__(self, store: Store, max_batch: int = 512) -> None:
         self._store = store
-        self._on_commit = on_commit
         self._max_batch = max_batch
         self._pending: list[tuple[NewJob, asyncio.Future[tuple[int, bool]]]] = []
         self._worker: asyncio.Task[None] | None = None
@@ -44,4 +41,3 @@ class Intake:
             for (_, future), answer in zip(batch, answers, strict=True):
                 if not future.done():
                     future.set_result(answer)
-            self._on_commit(sum(created for _, created in answers))

@@ -3,28 +3,39 @@
 Opens the database (migrating it), rebuilds the admission counters from it,
 gives replicas named in it one lease to come back, and serves JobService and
 SchedulerService.
+
+How the parts connect: every write goes through the store's transactions; their
+committed moves feed the counters and kick admission (`Store.on_moves`); messages
+to replicas go through the outbox; reports come back through `Reports`; a
+reconcile loop checks the counters against a recount and the replicas against
+their assignments, periodically and whenever a commit was in doubt.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
+from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
-from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common import logs, settings
 from services.common.errors import register_translator
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.api import JobApi
+from services.scheduler.cancels import Cancels
+from services.scheduler.counters import Counters
 from services.scheduler.db import Database, default_url
 from services.scheduler.events import EventBus
-from services.scheduler.health import DbHealth, unavailable
+from services.scheduler.health import DbHealth, is_unreachable, unavailable
+from services.scheduler.outbox import Outbox
 from services.scheduler.replicas import Replicas
-from services.scheduler.store import Store
+from services.scheduler.reports import Reports
+from services.scheduler.store import Move, Store
 
 log = logging.getLogger(__name__)
 register_translator(unavailable)
@@ -71,6 +82,13 @@ SETTINGS = (
         "seconds between database health probes",
         float,
     ),
+    Setting(
+        "reconcile_interval",
+        "MJ_RECONCILE_INTERVAL",
+        30.0,
+        "seconds between checks of the admission counters against a recount",
+        float,
+    ),
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -88,23 +106,34 @@ class SchedulerApp:
         lease_ttl: float = 10.0,
         heartbeat_interval: float = 2.0,
         db_probe_interval: float = 2.0,
+        reconcile_interval: float = 30.0,
     ) -> None:
         self.db = Database.open(database_url)
         self.bus = EventBus()
         self.store = Store(self.db, self.bus)
-        self.admission = Admission(self.store, limits, self._send)
+        self.counters = Counters(self.store)
+        self.outbox = Outbox()
+        self.admission = Admission(self.store, self.counters, self.outbox, limits)
+        self.store.on_moves = self._moved
+        self.store.on_doubt = self.reconcile_soon
+        self.reports = Reports(self.store)
         self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
         self.replicas = Replicas(
             self.store,
+            self.reports,
             self.admission,
+            self.outbox,
             self.health,
             lease_ttl=lease_ttl,
             heartbeat_interval=heartbeat_interval,
         )
+        self.reconcile_interval = reconcile_interval
+        self._reconcile_now = asyncio.Event()
+        self._reconciler: asyncio.Task[None] | None = None
         self.server = Server(host, port)
         self.server.add(
             job_service_pb2_grpc.add_JobServiceServicer_to_server,
-            JobApi(self.store, self.bus, self.admission, self.replicas),
+            JobApi(self.store, self.bus, self.admission, Cancels(self.store, self.outbox)),
             "managedjobs.v1.JobService",
         )
         self.server.add(
@@ -113,25 +142,53 @@ class SchedulerApp:
             "managedjobs.v1.SchedulerService",
         )
 
-    def _send(self, controller_id: str, message: pb.ConnectControllerResponse) -> bool:
-        return self.replicas.send(controller_id, message)
+    def _moved(self, moves: Seq[Move]) -> None:
+        self.counters.apply(moves)
+        self.admission.moved(moves)
+
+    def reconcile_soon(self) -> None:
+        self._reconcile_now.set()
+
+    async def reconcile(self) -> None:
+        """Checks counters against a recount and replicas against their assignments."""
+        if await self.counters.reconcile():
+            self.admission.kick()
+        await self.replicas.sync_assignments()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reconcile_now.wait(), self.reconcile_interval)
+            self._reconcile_now.clear()
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_unreachable(exc):
+                    log.exception("reconcile failed")
 
     async def _database_changed(self, reachable: bool) -> None:
         await self.server.set_serving(reachable)
         if reachable:
             self.replicas.restart_leases()
             self.admission.kick()
+            self.reconcile_soon()
 
     async def start(self) -> int:
         """Migrates (waiting for the database to answer), rebuilds the counters and serves."""
         await self.health.retry(self.db.migrate, limit=120)
-        await self.admission.rebuild()
+        await self.counters.rebuild()
         await self.replicas.adopt_unknown()
         self.admission.start()
         self.health.start()
+        self._reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         return await self.server.start()
 
     async def close(self, grace: float = 0.0) -> None:
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            await asyncio.gather(self._reconciler, return_exceptions=True)
         await self.health.stop()
         await self.server.stop(grace)
         await self.replicas.close()
@@ -153,6 +210,7 @@ async def serve(a: argparse.Namespace) -> None:
         lease_ttl=a.lease_ttl,
         heartbeat_interval=a.heartbeat_interval,
         db_probe_interval=a.db_probe_interval,
+        reconcile_interval=a.reconcile_interval,
     )
     port = await app.start()
     log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})

@@ -94,6 +94,11 @@ class TaskRow(Base):
     failure_reason: Mapped[str] = mapped_column(Text, default="")
     start_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # A running task's condition (e.g. its cluster is unreachable), and since when.
+    condition: Mapped[str] = mapped_column(Text, default="", server_default="")
+    condition_time: Mapped[dt.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
 
 
 class EventRow(Base):

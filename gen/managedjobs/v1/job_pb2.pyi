@@ -244,6 +244,8 @@ class Task(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     FAILURE_REASON_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
+    CONDITION_FIELD_NUMBER: _builtins.int
+    CONDITION_TIME_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
     name: _builtins.str
     status: Global___JobStatus.ValueType
@@ -254,12 +256,18 @@ class Task(_message.Message):
     recovery_count: _builtins.int
     restart_count: _builtins.int
     failure_reason: _builtins.str
+    condition: _builtins.str
+    """Something about the running task worth knowing that does not change its status,
+    e.g. "mj-3-0 unreachable since 12:00:01 (host 127.0.1.2 does not answer)"; empty: none.
+    """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def spec(self) -> Global___TaskSpec: ...
+    @_builtins.property
+    def condition_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -275,10 +283,12 @@ class Task(_message.Message):
         restart_count: _builtins.int = ...,
         failure_reason: _builtins.str = ...,
         spec: Global___TaskSpec | None = ...,
+        condition: _builtins.str = ...,
+        condition_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["condition_time", b"condition_time", "end_time", b"end_time", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "end_time", b"end_time", "failure_reason", b"failure_reason", "name", b"name", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "condition", b"condition", "condition_time", b"condition_time", "end_time", b"end_time", "failure_reason", b"failure_reason", "name", b"name", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

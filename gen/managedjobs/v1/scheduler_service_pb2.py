@@ -26,13 +26,17 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from managedjobs.v1 import job_pb2 as managedjobs_dot_v1_dot_job__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&managedjobs/v1/scheduler_service.proto\x12\x0emanagedjobs.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18managedjobs/v1/job.proto\"2\n\x08\x43\x61pacity\x12\x14\n\x0cmax_launches\x18\x01 \x01(\x05\x12\x10\n\x08max_jobs\x18\x02 \x01(\x05\"(\n\x07HeldJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"\xfa\x03\n\x18\x43onnectControllerRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x30\n\x05hello\x18\x02 \x01(\x0b\x32\x1f.managedjobs.v1.ControllerHelloH\x00\x12\x38\n\theartbeat\x18\x03 \x01(\x0b\x32#.managedjobs.v1.ControllerHeartbeatH\x00\x12\x34\n\ntransition\x18\x04 \x01(\x0b\x32\x1e.managedjobs.v1.TaskTransitionH\x00\x12@\n\x13launch_slot_request\x18\x05 \x01(\x0b\x32!.managedjobs.v1.LaunchSlotRequestH\x00\x12@\n\x13launch_slot_release\x18\x06 \x01(\x0b\x32!.managedjobs.v1.LaunchSlotReleaseH\x00\x12\x33\n\x0cjob_finished\x18\x07 \x01(\x0b\x32\x1b.managedjobs.v1.JobFinishedH\x00\x12\x33\n\x0cjob_handback\x18\x08 \x01(\x0b\x32\x1b.managedjobs.v1.JobHandbackH\x00\x12\x36\n\x08\x64raining\x18\t \x01(\x0b\x32\".managedjobs.v1.ControllerDrainingH\x00\x42\t\n\x07message\"\x91\x01\n\x0f\x43ontrollerHello\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x18.managedjobs.v1.Capacity\x12*\n\theld_jobs\x18\x04 \x03(\x0b\x32\x17.managedjobs.v1.HeldJob\"?\n\x13\x43ontrollerHeartbeat\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x84\x03\n\x0eTaskTransition\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x05\x12)\n\x06status\x18\x04 \x01(\x0e\x32\x19.managedjobs.v1.JobStatus\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x61ilure_reason\x18\x06 \x01(\t\x12\x14\n\x0c\x63luster_name\x18\x07 \x01(\t\x12\x0e\n\x06region\x18\x08 \x01(\t\x12\x11\n\tresources\x18\t \x01(\t\x12\x16\n\x0erecovery_count\x18\n \x01(\x05\x12\x15\n\rrestart_count\x18\x0b \x01(\x05\x12(\n\x04time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"B\n\x11LaunchSlotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\x11LaunchSlotRelease\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x13\n\x0bwait_reason\x18\x03 \x01(\t\",\n\x0bJobFinished\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\",\n\x0bJobHandback\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"\x14\n\x12\x43ontrollerDraining\"\xe0\x02\n\x19\x43onnectControllerResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x34\n\x07welcome\x18\x02 \x01(\x0b\x32!.managedjobs.v1.ControllerWelcomeH\x00\x12\x33\n\nassignment\x18\x03 \x01(\x0b\x32\x1d.managedjobs.v1.JobAssignmentH\x00\x12<\n\x11launch_slot_grant\x18\x04 \x01(\x0b\x32\x1f.managedjobs.v1.LaunchSlotGrantH\x00\x12+\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x19.managedjobs.v1.JobCancelH\x00\x12+\n\x06revoke\x18\x06 \x01(\x0b\x32\x19.managedjobs.v1.JobRevokeH\x00\x12(\n\x03\x61\x63k\x18\x07 \x01(\x0b\x32\x19.managedjobs.v1.ReportAckH\x00\x42\t\n\x07message\"R\n\x11\x43ontrollerWelcome\x12\x19\n\x11lease_ttl_seconds\x18\x01 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x02 \x01(\x01\"X\n\rJobAssignment\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.managedjobs.v1.Job\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x16\n\x0elaunch_granted\x18\x03 \x01(\x08\"0\n\x0fLaunchSlotGrant\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"*\n\tJobCancel\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"*\n\tJobRevoke\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\">\n\tReportAck\x12\x0f\n\x07\x61\x63k_seq\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x1a\n\x18GetSchedulerStateRequest\"\xe0\x01\n\x0cReplicaState\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x18.managedjobs.v1.Capacity\x12\x11\n\tlaunching\x18\x04 \x01(\x05\x12\r\n\x05\x61live\x18\x05 \x01(\x05\x12\x11\n\tconnected\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x35\n\x11lease_expire_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xf9\x01\n\x19GetSchedulerStateResponse\x12/\n\rglobal_limits\x18\x01 \x01(\x0b\x32\x18.managedjobs.v1.Capacity\x12\x11\n\tlaunching\x18\x02 \x01(\x05\x12\r\n\x05\x61live\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x15\n\ralive_waiting\x18\x05 \x01(\x05\x12.\n\x08replicas\x18\x06 \x03(\x0b\x32\x1c.managedjobs.v1.ReplicaState\x12\x15\n\rstale_reports\x18\x07 \x01(\x03\x12\x1a\n\x12\x64\x61tabase_reachable\x18\x08 \x01(\x08\x32\xea\x01\n\x10SchedulerService\x12l\n\x11\x43onnectController\x12(.managedjobs.v1.ConnectControllerRequest\x1a).managedjobs.v1.ConnectControllerResponse(\x01\x30\x01\x12h\n\x11GetSchedulerState\x12(.managedjobs.v1.GetSchedulerStateRequest\x1a).managedjobs.v1.GetSchedulerStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n&managedjobs/v1/scheduler_service.proto\x12\x0emanagedjobs.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18managedjobs/v1/job.proto\"2\n\x08\x43\x61pacity\x12\x14\n\x0cmax_launches\x18\x01 \x01(\x05\x12\x10\n\x08max_jobs\x18\x02 \x01(\x05\"(\n\x07HeldJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"\xfa\x03\n\x18\x43onnectControllerRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x30\n\x05hello\x18\x02 \x01(\x0b\x32\x1f.managedjobs.v1.ControllerHelloH\x00\x12\x38\n\theartbeat\x18\x03 \x01(\x0b\x32#.managedjobs.v1.ControllerHeartbeatH\x00\x12\x34\n\ntransition\x18\x04 \x01(\x0b\x32\x1e.managedjobs.v1.TaskTransitionH\x00\x12@\n\x13launch_slot_request\x18\x05 \x01(\x0b\x32!.managedjobs.v1.LaunchSlotRequestH\x00\x12@\n\x13launch_slot_release\x18\x06 \x01(\x0b\x32!.managedjobs.v1.LaunchSlotReleaseH\x00\x12\x33\n\x0cjob_finished\x18\x07 \x01(\x0b\x32\x1b.managedjobs.v1.JobFinishedH\x00\x12\x33\n\x0cjob_handback\x18\x08 \x01(\x0b\x32\x1b.managedjobs.v1.JobHandbackH\x00\x12\x36\n\x08\x64raining\x18\t \x01(\x0b\x32\".managedjobs.v1.ControllerDrainingH\x00\x42\t\n\x07message\"\xa2\x01\n\x0f\x43ontrollerHello\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x18.managedjobs.v1.Capacity\x12*\n\theld_jobs\x18\x04 \x03(\x0b\x32\x17.managedjobs.v1.HeldJob\x12\x0f\n\x07regions\x18\x05 \x03(\t\"?\n\x13\x43ontrollerHeartbeat\x12(\n\x04time\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xc0\x03\n\x0eTaskTransition\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0f\n\x07task_id\x18\x03 \x01(\x05\x12)\n\x06status\x18\x04 \x01(\x0e\x32\x19.managedjobs.v1.JobStatus\x12\x0f\n\x07message\x18\x05 \x01(\t\x12\x16\n\x0e\x66\x61ilure_reason\x18\x06 \x01(\t\x12\x14\n\x0c\x63luster_name\x18\x07 \x01(\t\x12\x0e\n\x06region\x18\x08 \x01(\t\x12\x11\n\tresources\x18\t \x01(\t\x12\x16\n\x0erecovery_count\x18\n \x01(\x05\x12\x15\n\rrestart_count\x18\x0b \x01(\x05\x12(\n\x04time\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nstart_time\x18\r \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12,\n\x08\x65nd_time\x18\x0e \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0crelease_slot\x18\x0f \x01(\x08\x12\x16\n\tcondition\x18\x10 \x01(\tH\x00\x88\x01\x01\x42\x0c\n\n_condition\"B\n\x11LaunchSlotRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"G\n\x11LaunchSlotRelease\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x13\n\x0bwait_reason\x18\x03 \x01(\t\"D\n\x0bJobFinished\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x16\n\x0e\x66\x61ilure_reason\x18\x03 \x01(\t\"4\n\x0bJobHandback\x12%\n\x04jobs\x18\x01 \x03(\x0b\x32\x17.managedjobs.v1.HeldJob\"\x14\n\x12\x43ontrollerDraining\"\xe0\x02\n\x19\x43onnectControllerResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\x34\n\x07welcome\x18\x02 \x01(\x0b\x32!.managedjobs.v1.ControllerWelcomeH\x00\x12\x33\n\nassignment\x18\x03 \x01(\x0b\x32\x1d.managedjobs.v1.JobAssignmentH\x00\x12<\n\x11launch_slot_grant\x18\x04 \x01(\x0b\x32\x1f.managedjobs.v1.LaunchSlotGrantH\x00\x12+\n\x06\x63\x61ncel\x18\x05 \x01(\x0b\x32\x19.managedjobs.v1.JobCancelH\x00\x12+\n\x06revoke\x18\x06 \x01(\x0b\x32\x19.managedjobs.v1.JobRevokeH\x00\x12(\n\x03\x61\x63k\x18\x07 \x01(\x0b\x32\x19.managedjobs.v1.ReportAckH\x00\x42\t\n\x07message\"R\n\x11\x43ontrollerWelcome\x12\x19\n\x11lease_ttl_seconds\x18\x01 \x01(\x01\x12\"\n\x1aheartbeat_interval_seconds\x18\x02 \x01(\x01\"\x89\x01\n\x0bTaskSecrets\x12\x0f\n\x07task_id\x18\x01 \x01(\x05\x12\x39\n\x07secrets\x18\x02 \x03(\x0b\x32(.managedjobs.v1.TaskSecrets.SecretsEntry\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x86\x01\n\rJobAssignment\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.managedjobs.v1.Job\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x16\n\x0elaunch_granted\x18\x03 \x01(\x08\x12,\n\x07secrets\x18\x04 \x03(\x0b\x32\x1b.managedjobs.v1.TaskSecrets\"0\n\x0fLaunchSlotGrant\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"*\n\tJobCancel\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"*\n\tJobRevoke\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\"n\n\tReportAck\x12\x0f\n\x07\x61\x63k_seq\x18\x01 \x01(\x03\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x02 \x01(\x08\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12.\n\x07refusal\x18\x04 \x01(\x0e\x32\x1d.managedjobs.v1.ReportRefusal\"\x1a\n\x18GetSchedulerStateRequest\"\xe0\x01\n\x0cReplicaState\x12\x15\n\rcontroller_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12*\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x18.managedjobs.v1.Capacity\x12\x11\n\tlaunching\x18\x04 \x01(\x05\x12\r\n\x05\x61live\x18\x05 \x01(\x05\x12\x11\n\tconnected\x18\x06 \x01(\x08\x12\x10\n\x08\x64raining\x18\x07 \x01(\x08\x12\x35\n\x11lease_expire_time\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xaf\x02\n\x19GetSchedulerStateResponse\x12/\n\rglobal_limits\x18\x01 \x01(\x0b\x32\x18.managedjobs.v1.Capacity\x12\x11\n\tlaunching\x18\x02 \x01(\x05\x12\r\n\x05\x61live\x18\x03 \x01(\x05\x12\x0f\n\x07waiting\x18\x04 \x01(\x05\x12\x15\n\ralive_waiting\x18\x05 \x01(\x05\x12.\n\x08replicas\x18\x06 \x03(\x0b\x32\x1c.managedjobs.v1.ReplicaState\x12\x15\n\rstale_reports\x18\x07 \x01(\x03\x12\x1a\n\x12\x64\x61tabase_reachable\x18\x08 \x01(\x08\x12\x17\n\x0finvalid_reports\x18\t \x01(\x03\x12\x1b\n\x13\x63ounter_corrections\x18\n \x01(\x03*k\n\rReportRefusal\x12\x1e\n\x1aREPORT_REFUSAL_UNSPECIFIED\x10\x00\x12\x1e\n\x1aREPORT_REFUSAL_STALE_EPOCH\x10\x01\x12\x1a\n\x16REPORT_REFUSAL_INVALID\x10\x02\x32\xea\x01\n\x10SchedulerService\x12l\n\x11\x43onnectController\x12(.managedjobs.v1.ConnectControllerRequest\x1a).managedjobs.v1.ConnectControllerResponse(\x01\x30\x01\x12h\n\x11GetSchedulerState\x12(.managedjobs.v1.GetSchedulerStateRequest\x1a).managedjobs.v1.GetSchedulerStateResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'managedjobs.v1.scheduler_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_TASKSECRETS_SECRETSENTRY']._loaded_options = None
+  _globals['_TASKSECRETS_SECRETSENTRY']._serialized_options = b'8\001'
+  _globals['_REPORTREFUSAL']._serialized_start=3215
+  _globals['_REPORTREFUSAL']._serialized_end=3322
   _globals['_CAPACITY']._serialized_start=117
   _globals['_CAPACITY']._serialized_end=167
   _globals['_HELDJOB']._serialized_start=169
@@ -40,41 +44,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONNECTCONTROLLERREQUEST']._serialized_start=212
   _globals['_CONNECTCONTROLLERREQUEST']._serialized_end=718
   _globals['_CONTROLLERHELLO']._serialized_start=721
-  _globals['_CONTROLLERHELLO']._serialized_end=866
-  _globals['_CONTROLLERHEARTBEAT']._serialized_start=868
-  _globals['_CONTROLLERHEARTBEAT']._serialized_end=931
-  _globals['_TASKTRANSITION']._serialized_start=934
-  _globals['_TASKTRANSITION']._serialized_end=1322
-  _globals['_LAUNCHSLOTREQUEST']._serialized_start=1324
-  _globals['_LAUNCHSLOTREQUEST']._serialized_end=1390
-  _globals['_LAUNCHSLOTRELEASE']._serialized_start=1392
-  _globals['_LAUNCHSLOTRELEASE']._serialized_end=1463
-  _globals['_JOBFINISHED']._serialized_start=1465
-  _globals['_JOBFINISHED']._serialized_end=1509
-  _globals['_JOBHANDBACK']._serialized_start=1511
-  _globals['_JOBHANDBACK']._serialized_end=1555
-  _globals['_CONTROLLERDRAINING']._serialized_start=1557
-  _globals['_CONTROLLERDRAINING']._serialized_end=1577
-  _globals['_CONNECTCONTROLLERRESPONSE']._serialized_start=1580
-  _globals['_CONNECTCONTROLLERRESPONSE']._serialized_end=1932
-  _globals['_CONTROLLERWELCOME']._serialized_start=1934
-  _globals['_CONTROLLERWELCOME']._serialized_end=2016
-  _globals['_JOBASSIGNMENT']._serialized_start=2018
-  _globals['_JOBASSIGNMENT']._serialized_end=2106
-  _globals['_LAUNCHSLOTGRANT']._serialized_start=2108
-  _globals['_LAUNCHSLOTGRANT']._serialized_end=2156
-  _globals['_JOBCANCEL']._serialized_start=2158
-  _globals['_JOBCANCEL']._serialized_end=2200
-  _globals['_JOBREVOKE']._serialized_start=2202
-  _globals['_JOBREVOKE']._serialized_end=2244
-  _globals['_REPORTACK']._serialized_start=2246
-  _globals['_REPORTACK']._serialized_end=2308
-  _globals['_GETSCHEDULERSTATEREQUEST']._serialized_start=2310
-  _globals['_GETSCHEDULERSTATEREQUEST']._serialized_end=2336
-  _globals['_REPLICASTATE']._serialized_start=2339
-  _globals['_REPLICASTATE']._serialized_end=2563
-  _globals['_GETSCHEDULERSTATERESPONSE']._serialized_start=2566
-  _globals['_GETSCHEDULERSTATERESPONSE']._serialized_end=2815
-  _globals['_SCHEDULERSERVICE']._serialized_start=2818
-  _globals['_SCHEDULERSERVICE']._serialized_end=3052
+  _globals['_CONTROLLERHELLO']._serialized_end=883
+  _globals['_CONTROLLERHEARTBEAT']._serialized_start=885
+  _globals['_CONTROLLERHEARTBEAT']._serialized_end=948
+  _globals['_TASKTRANSITION']._serialized_start=951
+  _globals['_TASKTRANSITION']._serialized_end=1399
+  _globals['_LAUNCHSLOTREQUEST']._serialized_start=1401
+  _globals['_LAUNCHSLOTREQUEST']._serialized_end=1467
+  _globals['_LAUNCHSLOTRELEASE']._serialized_start=1469
+  _globals['_LAUNCHSLOTRELEASE']._serialized_end=1540
+  _globals['_JOBFINISHED']._serialized_start=1542
+  _globals['_JOBFINISHED']._serialized_end=1610
+  _globals['_JOBHANDBACK']._serialized_start=1612
+  _globals['_JOBHANDBACK']._serialized_end=1664
+  _globals['_CONTROLLERDRAINING']._serialized_start=1666
+  _globals['_CONTROLLERDRAINING']._serialized_end=1686
+  _globals['_CONNECTCONTROLLERRESPONSE']._serialized_start=1689
+  _globals['_CONNECTCONTROLLERRESPONSE']._serialized_end=2041
+  _globals['_CONTROLLERWELCOME']._serialized_start=2043
+  _globals['_CONTROLLERWELCOME']._serialized_end=2125
+  _globals['_TASKSECRETS']._serialized_start=2128
+  _globals['_TASKSECRETS']._serialized_end=2265
+  _globals['_TASKSECRETS_SECRETSENTRY']._serialized_start=2219
+  _globals['_TASKSECRETS_SECRETSENTRY']._serialized_end=2265
+  _globals['_JOBASSIGNMENT']._serialized_start=2268
+  _globals['_JOBASSIGNMENT']._serialized_end=2402
+  _globals['_LAUNCHSLOTGRANT']._serialized_start=2404
+  _globals['_LAUNCHSLOTGRANT']._serialized_end=2452
+  _globals['_JOBCANCEL']._serialized_start=2454
+  _globals['_JOBCANCEL']._serialized_end=2496
+  _globals['_JOBREVOKE']._serialized_start=2498
+  _globals['_JOBREVOKE']._serialized_end=2540
+  _globals['_REPORTACK']._serialized_start=2542
+  _globals['_REPORTACK']._serialized_end=2652
+  _globals['_GETSCHEDULERSTATEREQUEST']._serialized_start=2654
+  _globals['_GETSCHEDULERSTATEREQUEST']._serialized_end=2680
+  _globals['_REPLICASTATE']._serialized_start=2683
+  _globals['_REPLICASTATE']._serialized_end=2907
+  _globals['_GETSCHEDULERSTATERESPONSE']._serialized_start=2910
+  _globals['_GETSCHEDULERSTATERESPONSE']._serialized_end=3213
+  _globals['_SCHEDULERSERVICE']._serialized_start=3325
+  _globals['_SCHEDULERSERVICE']._serialized_end=3559
 # @@protoc_insertion_point(module_scope)

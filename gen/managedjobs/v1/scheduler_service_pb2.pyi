@@ -8,6 +8,7 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from managedjobs.v1 import job_pb2 as _job_pb2
 import builtins as _builtins
 import sys
@@ -19,6 +20,32 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _ReportRefusal:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReportRefusalEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ReportRefusal.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REPORT_REFUSAL_UNSPECIFIED: _ReportRefusal.ValueType  # 0
+    REPORT_REFUSAL_STALE_EPOCH: _ReportRefusal.ValueType  # 1
+    """The job is not assigned to this replica at this epoch: stop acting for it."""
+    REPORT_REFUSAL_INVALID: _ReportRefusal.ValueType  # 2
+    """The report breaks a rule (a forbidden transition, an unknown task): end the job
+    FAILED_CONTROLLER.
+    """
+
+class ReportRefusal(_ReportRefusal, metaclass=_ReportRefusalEnumTypeWrapper):
+    """Why a report was refused."""
+
+REPORT_REFUSAL_UNSPECIFIED: ReportRefusal.ValueType  # 0
+REPORT_REFUSAL_STALE_EPOCH: ReportRefusal.ValueType  # 1
+"""The job is not assigned to this replica at this epoch: stop acting for it."""
+REPORT_REFUSAL_INVALID: ReportRefusal.ValueType  # 2
+"""The report breaks a rule (a forbidden transition, an unknown task): end the job
+FAILED_CONTROLLER.
+"""
+Global___ReportRefusal: _TypeAlias = ReportRefusal  # noqa: Y015
 
 @_typing.final
 class Capacity(_message.Message):
@@ -133,6 +160,7 @@ class ControllerHello(_message.Message):
     ADDRESS_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     HELD_JOBS_FIELD_NUMBER: _builtins.int
+    REGIONS_FIELD_NUMBER: _builtins.int
     controller_id: _builtins.str
     address: _builtins.str
     """host:port of the replica's ControllerService."""
@@ -142,6 +170,12 @@ class ControllerHello(_message.Message):
     def held_jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldJob]:
         """Jobs the replica still runs (after a scheduler restart or a reconnect)."""
 
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Regions its backend offers, when the backend can say (submissions naming
+        another region are refused).
+        """
+
     def __init__(
         self,
         *,
@@ -149,10 +183,11 @@ class ControllerHello(_message.Message):
         address: _builtins.str = ...,
         capacity: Global___Capacity | None = ...,
         held_jobs: _abc.Iterable[Global___HeldJob] | None = ...,
+        regions: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "controller_id", b"controller_id", "held_jobs", b"held_jobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "capacity", b"capacity", "controller_id", b"controller_id", "held_jobs", b"held_jobs", "regions", b"regions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -198,6 +233,8 @@ class TaskTransition(_message.Message):
     TIME_FIELD_NUMBER: _builtins.int
     START_TIME_FIELD_NUMBER: _builtins.int
     END_TIME_FIELD_NUMBER: _builtins.int
+    RELEASE_SLOT_FIELD_NUMBER: _builtins.int
+    CONDITION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     epoch: _builtins.int
     task_id: _builtins.int
@@ -209,6 +246,12 @@ class TaskTransition(_message.Message):
     resources: _builtins.str
     recovery_count: _builtins.int
     restart_count: _builtins.int
+    release_slot: _builtins.bool
+    """The job gives its launch slot back with this report (it launched), saving a round trip."""
+    condition: _builtins.str
+    """When present, the task's condition from now on (empty: none), e.g. "mj-3-0 unreachable
+    since 12:00:01"; the status stays as it is.
+    """
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -232,12 +275,16 @@ class TaskTransition(_message.Message):
         time: _timestamp_pb2.Timestamp | None = ...,
         start_time: _timestamp_pb2.Timestamp | None = ...,
         end_time: _timestamp_pb2.Timestamp | None = ...,
+        release_slot: _builtins.bool = ...,
+        condition: _builtins.str | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_condition", b"_condition", "condition", b"condition", "end_time", b"end_time", "start_time", b"start_time", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "end_time", b"end_time", "epoch", b"epoch", "failure_reason", b"failure_reason", "job_id", b"job_id", "message", b"message", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "start_time", b"start_time", "status", b"status", "task_id", b"task_id", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_condition", b"_condition", "cluster_name", b"cluster_name", "condition", b"condition", "end_time", b"end_time", "epoch", b"epoch", "failure_reason", b"failure_reason", "job_id", b"job_id", "message", b"message", "recovery_count", b"recovery_count", "region", b"region", "release_slot", b"release_slot", "resources", b"resources", "restart_count", b"restart_count", "start_time", b"start_time", "status", b"status", "task_id", b"task_id", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__condition: _TypeAlias = _typing.Literal["condition"]  # noqa: Y015
+    _WhichOneofArgType__condition: _TypeAlias = _typing.Literal["_condition", b"_condition"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__condition) -> _WhichOneofReturnType__condition | None: ...
 
 Global___TaskTransition: _TypeAlias = TaskTransition  # noqa: Y015
 
@@ -303,17 +350,21 @@ class JobFinished(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    FAILURE_REASON_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     epoch: _builtins.int
+    failure_reason: _builtins.str
+    """Why tasks left unfinished end FAILED_CONTROLLER (empty: the lifecycle ended normally)."""
     def __init__(
         self,
         *,
         job_id: _builtins.int = ...,
         epoch: _builtins.int = ...,
+        failure_reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "failure_reason", b"failure_reason", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -321,23 +372,21 @@ Global___JobFinished: _TypeAlias = JobFinished  # noqa: Y015
 
 @_typing.final
 class JobHandback(_message.Message):
-    """The replica gives the job back (draining) without failing it."""
+    """The replica gives jobs back (draining) without failing them, all in one message."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    JOB_ID_FIELD_NUMBER: _builtins.int
-    EPOCH_FIELD_NUMBER: _builtins.int
-    job_id: _builtins.int
-    epoch: _builtins.int
+    JOBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldJob]: ...
     def __init__(
         self,
         *,
-        job_id: _builtins.int = ...,
-        epoch: _builtins.int = ...,
+        jobs: _abc.Iterable[Global___HeldJob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -430,6 +479,51 @@ class ControllerWelcome(_message.Message):
 Global___ControllerWelcome: _TypeAlias = ControllerWelcome  # noqa: Y015
 
 @_typing.final
+class TaskSecrets(_message.Message):
+    """A task's secrets: given to the task's environment, never returned by any read RPC."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SecretsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TASK_ID_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
+    task_id: _builtins.int
+    @_builtins.property
+    def secrets(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        task_id: _builtins.int = ...,
+        secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["secrets", b"secrets", "task_id", b"task_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskSecrets: _TypeAlias = TaskSecrets  # noqa: Y015
+
+@_typing.final
 class JobAssignment(_message.Message):
     """Run (or resume) this job. `launch_granted` is true when the job holds a launch slot."""
 
@@ -438,20 +532,24 @@ class JobAssignment(_message.Message):
     JOB_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     LAUNCH_GRANTED_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
     epoch: _builtins.int
     launch_granted: _builtins.bool
     @_builtins.property
     def job(self) -> _job_pb2.Job: ...
+    @_builtins.property
+    def secrets(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSecrets]: ...
     def __init__(
         self,
         *,
         job: _job_pb2.Job | None = ...,
         epoch: _builtins.int = ...,
         launch_granted: _builtins.bool = ...,
+        secrets: _abc.Iterable[Global___TaskSecrets] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job", b"job", "launch_granted", b"launch_granted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job", b"job", "launch_granted", b"launch_granted", "secrets", b"secrets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -527,26 +625,29 @@ Global___JobRevoke: _TypeAlias = JobRevoke  # noqa: Y015
 
 @_typing.final
 class ReportAck(_message.Message):
-    """Answer to a request envelope; `accepted` is false for a stale epoch."""
+    """Answer to a request envelope; `refusal` says why when `accepted` is false."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     ACK_SEQ_FIELD_NUMBER: _builtins.int
     ACCEPTED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    REFUSAL_FIELD_NUMBER: _builtins.int
     ack_seq: _builtins.int
     accepted: _builtins.bool
     reason: _builtins.str
+    refusal: Global___ReportRefusal.ValueType
     def __init__(
         self,
         *,
         ack_seq: _builtins.int = ...,
         accepted: _builtins.bool = ...,
         reason: _builtins.str = ...,
+        refusal: Global___ReportRefusal.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ack_seq", b"ack_seq", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ack_seq", b"ack_seq", "reason", b"reason", "refusal", b"refusal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -621,6 +722,8 @@ class GetSchedulerStateResponse(_message.Message):
     REPLICAS_FIELD_NUMBER: _builtins.int
     STALE_REPORTS_FIELD_NUMBER: _builtins.int
     DATABASE_REACHABLE_FIELD_NUMBER: _builtins.int
+    INVALID_REPORTS_FIELD_NUMBER: _builtins.int
+    COUNTER_CORRECTIONS_FIELD_NUMBER: _builtins.int
     launching: _builtins.int
     alive: _builtins.int
     waiting: _builtins.int
@@ -629,6 +732,10 @@ class GetSchedulerStateResponse(_message.Message):
     """Reports refused since start because their epoch was stale."""
     database_reachable: _builtins.bool
     """Whether the scheduler's database answers."""
+    invalid_reports: _builtins.int
+    """Reports refused since start because they broke a rule."""
+    counter_corrections: _builtins.int
+    """Counter differences found (and fixed) by reconciling with a recount, since start."""
     @_builtins.property
     def global_limits(self) -> Global___Capacity: ...
     @_builtins.property
@@ -644,10 +751,12 @@ class GetSchedulerStateResponse(_message.Message):
         replicas: _abc.Iterable[Global___ReplicaState] | None = ...,
         stale_reports: _builtins.int = ...,
         database_reachable: _builtins.bool = ...,
+        invalid_reports: _builtins.int = ...,
+        counter_corrections: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["global_limits", b"global_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "launching", b"launching", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "counter_corrections", b"counter_corrections", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "invalid_reports", b"invalid_reports", "launching", b"launching", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

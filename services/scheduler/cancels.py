@@ -1,0 +1,113 @@
+"""Cancellation (SPEC §8): durable first, then told to whoever holds the job.
+
+A cancel is state, not a message. `cancel` marks every target in one
+transaction with conditional UPDATEs, whatever their number:
+- a job no replica took yet (INACTIVE, WAITING) is CANCELLED and DONE at once;
+- any other unfinished job gets `cancel_requested`, and its current holder
+  (read from the same UPDATE's RETURNING, after the row lock, so it cannot miss
+  an assignment that committed first) is sent a `JobCancel`.
+
+Every assignment carries `cancel_requested` as committed with the move, and a
+replica remembers a cancel for a job whose assignment has not reached it yet,
+so a cancel that races an assignment or a re-assignment is never lost. Repeating
+a cancel re-sends it: idempotent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from sqlalchemy import ColumnElement, and_, select, true, update
+
+from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler.models import JobRow
+from services.scheduler.outbox import Outbox
+from services.scheduler.store import Move, Store, set_task_statuses
+
+S = JobStatus
+St = ScheduleState
+CANCEL_REQUESTED = "cancel requested"
+CANCELLED_BEFORE_START = "cancelled before start"
+
+
+@dataclasses.dataclass(frozen=True)
+class Targets:
+    """Which jobs to cancel: by ids, by name, or all; always within `user` when given."""
+
+    job_ids: Sequence[int] = ()
+    name: str = ""
+    user: str = ""
+
+    def where(self) -> ColumnElement[bool]:
+        clauses: list[ColumnElement[bool]] = [JobRow.schedule_state != St.DONE]
+        if self.job_ids:
+            clauses.append(JobRow.id.in_(list(self.job_ids)))
+        if self.name:
+            clauses.append(JobRow.name == self.name)
+        if self.user:
+            clauses.append(JobRow.user == self.user)
+        return and_(true(), *clauses)
+
+
+class Cancels:
+    def __init__(self, store: Store, outbox: Outbox) -> None:
+        self.store = store
+        self.outbox = outbox
+
+    async def cancel(self, targets: Targets) -> list[int]:
+        """Cancels the unfinished jobs matching `targets`; returns their ids, ascending."""
+        unstarted = [St.INACTIVE, St.WAITING]
+        notices: list[tuple[str, int, int]] = []
+        cancelled: list[int] = []
+        async with self.store.transaction() as txn:
+            session = txn.session
+            rows = (
+                await session.execute(
+                    update(JobRow)
+                    .where(targets.where(), JobRow.schedule_state.in_(unstarted))
+                    .values(
+                        schedule_state=St.DONE,
+                        status=S.CANCELLED,
+                        end_time=txn.now,
+                        wait_reason="",
+                        cancel_requested=True,
+                    )
+                    .returning(JobRow.id, JobRow.schedule_state, JobRow.current_task),
+                    execution_options={"synchronize_session": False},
+                )
+            ).all()
+            # The schedule state returned is the new one (DONE); every row came from
+            # INACTIVE or WAITING, and only WAITING is counted.
+            ids = [int(r[0]) for r in rows]
+            await set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
+            for job_id, _, task in rows:
+                txn.event(job_id, task, S.CANCELLED, St.DONE, CANCELLED_BEFORE_START)
+                txn.moves.append(Move(int(job_id), None, None, 0, St.WAITING, St.DONE))
+            cancelled += ids
+            newly = (
+                await session.execute(
+                    update(JobRow)
+                    .where(targets.where(), JobRow.cancel_requested.is_(False))
+                    .values(cancel_requested=True)
+                    .returning(
+                        JobRow.id, JobRow.status, JobRow.schedule_state, JobRow.current_task
+                    ),
+                    execution_options={"synchronize_session": False},
+                )
+            ).all()
+            for job_id, status, state, task in newly:
+                txn.event(job_id, task, status, state, CANCEL_REQUESTED)
+            # Every live target (new or repeated) is told again: a lost message is harmless.
+            live = (
+                await session.execute(
+                    select(JobRow.id, JobRow.controller_id, JobRow.epoch).where(targets.where())
+                )
+            ).all()
+            for job_id, controller_id, epoch in live:
+                cancelled.append(int(job_id))
+                if controller_id is not None:
+                    notices.append((controller_id, int(job_id), int(epoch)))
+        for controller_id, job_id, epoch in notices:
+            self.outbox.cancel(controller_id, job_id, epoch)
+        return sorted(set(cancelled))

@@ -1,0 +1,105 @@
+"""The admission counters: jobs per (replica, schedule state), kept in memory (SPEC §5).
+
+`launching` is the LAUNCHING count, `alive` the LAUNCHING, ALIVE and
+ALIVE_WAITING counts together, per replica and in total; jobs no replica holds
+are counted under `None`. The counts change in exactly one place, `apply`, fed
+by the store's committed moves (`Store.on_moves`), and are rebuilt from a recount
+of the database at start.
+
+`reconcile` compares them with a recount at a quiet moment (no write under way
+or started while the recount ran, so both views are of the same instant), fixes
+any difference and reports it: a difference means a move was committed without
+being seen (a commit whose outcome was in doubt) and is logged and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections import Counter
+from collections.abc import Sequence
+
+from services.common.statuses import ALIVE_STATES, ScheduleState
+from services.scheduler.store import Move, Store
+
+log = logging.getLogger(__name__)
+St = ScheduleState
+Key = tuple[str | None, ScheduleState]
+
+
+@dataclasses.dataclass(frozen=True)
+class Slots:
+    launching: int = 0
+    alive: int = 0
+
+
+def live_counts(counts: Counter[Key]) -> Counter[Key]:
+    """The counts without INACTIVE or DONE jobs and zero entries (what admission keeps)."""
+    return Counter({k: n for k, n in counts.items() if n and k[1] not in (St.DONE, St.INACTIVE)})
+
+
+class Counters:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.counts: Counter[Key] = Counter()
+        self.applied = 0
+        self.corrections = 0
+
+    def apply(self, moves: Sequence[Move]) -> None:
+        """Follows committed moves (the only way a count changes after start)."""
+        counts = self.counts
+        for move in moves:
+            if move.old not in (St.DONE, St.INACTIVE):
+                counts[(move.old_controller, move.old)] -= 1
+            if move.new not in (St.DONE, St.INACTIVE):
+                counts[(move.new_controller, move.new)] += 1
+        self.applied += 1
+
+    async def rebuild(self) -> None:
+        self.counts = live_counts(await self.store.recount())
+
+    def slots(self, controller_id: str | None) -> Slots:
+        c = self.counts
+        launching = c[(controller_id, St.LAUNCHING)]
+        alive = launching + c[(controller_id, St.ALIVE)] + c[(controller_id, St.ALIVE_WAITING)]
+        return Slots(launching, alive)
+
+    def totals(self) -> Slots:
+        launching = sum(n for (_, s), n in self.counts.items() if s == St.LAUNCHING)
+        alive = sum(n for (_, s), n in self.counts.items() if s in ALIVE_STATES)
+        return Slots(launching, alive)
+
+    def total(self, state: ScheduleState) -> int:
+        """Jobs in `state`, whoever holds them."""
+        return sum(n for (_, s), n in self.counts.items() if s == state)
+
+    async def reconcile(self, attempts: int = 5, pause: float = 0.05) -> dict[Key, int] | None:
+        """Compares with a recount at a quiet moment; fixes and returns any difference.
+
+        Returns None when no quiet moment came in `attempts` tries (the system is
+        busy; the next reconcile tries again).
+        """
+        store = self.store
+        for _ in range(attempts):
+            started = store.writes_started
+            if store.writes_in_flight:
+                await asyncio.sleep(pause)
+                continue
+            recount = live_counts(await store.recount())
+            if store.writes_in_flight or store.writes_started != started:
+                await asyncio.sleep(pause)
+                continue
+            ours = live_counts(self.counts)
+            diff = {
+                k: recount[k] - ours[k] for k in set(recount) | set(ours) if recount[k] != ours[k]
+            }
+            if diff:
+                self.corrections += sum(abs(n) for n in diff.values())
+                log.warning(
+                    "admission counters differed from a recount; fixed",
+                    extra={"differences": {f"{c}/{s.name}": n for (c, s), n in diff.items()}},
+                )
+                self.counts = recount
+            return diff
+        return None

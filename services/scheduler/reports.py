@@ -1,0 +1,331 @@
+"""What replicas report, applied to the database (SPEC §9).
+
+A replica's reports (task transitions, launch-slot requests and releases, a
+finished lifecycle, handed-back jobs) are applied in batches: one transaction
+for many reports, in the order they arrived, so a burst of reports from many
+jobs costs one commit. Each report is judged on its own inside the batch:
+
+- a report whose epoch or controller is not the job's current assignment is
+  refused as STALE (the replica must stop acting for the job, and is told so);
+- a report that breaks a rule (a transition `TASK_TRANSITIONS` forbids, a task
+  that does not exist) is refused as INVALID (the replica ends the job
+  FAILED_CONTROLLER rather than pretend it was moved away);
+- anything else is applied. Nothing is written for a refused report.
+
+Every status change costs O(1) in the length of the chain: the job row keeps the
+index of its current task, so a transition reads and writes the job, the task,
+and at most the next task.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Iterable, Sequence
+
+from sqlalchemy import select, tuple_, update
+
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.statuses import (
+    FAILED_GROUP,
+    TERMINAL,
+    IllegalTransition,
+    JobStatus,
+    ScheduleState,
+    schedule_transition,
+)
+from services.scheduler import convert
+from services.scheduler.models import JobRow, TaskRow
+from services.scheduler.store import (
+    Move,
+    StaleReport,
+    Store,
+    Txn,
+    move_held,
+    set_task_status,
+    set_task_statuses,
+)
+
+S = JobStatus
+St = ScheduleState
+NO_FINAL_STATUS = "the lifecycle ended without a final status"
+
+
+class Refusal(enum.IntEnum):
+    NONE = pb.REPORT_REFUSAL_UNSPECIFIED
+    STALE = pb.REPORT_REFUSAL_STALE_EPOCH
+    INVALID = pb.REPORT_REFUSAL_INVALID
+
+
+@dataclasses.dataclass
+class Applied:
+    """The outcome of a batch: an ack per report, and what to tell the replica after commit."""
+
+    acks: list[pb.ReportAck] = dataclasses.field(default_factory=list)
+    # (job_id, epoch): a repeated slot request of a job that holds its slot: grant again.
+    grants: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # (job_id, epoch): stale reports; the replica must stop acting for these.
+    revokes: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+class Reports:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.refused_stale = 0
+        self.refused_invalid = 0
+
+    async def apply(
+        self, controller_id: str, requests: Sequence[pb.ConnectControllerRequest]
+    ) -> Applied:
+        """Applies a replica's reports, in order, in one transaction."""
+        applied = Applied()
+        async with self.store.transaction() as txn:
+            for request in requests:
+                refusal, reason = await self._one(txn, controller_id, request, applied)
+                if refusal == Refusal.STALE:
+                    self.refused_stale += 1
+                    applied.revokes.append(_job_of(request))
+                elif refusal == Refusal.INVALID:
+                    self.refused_invalid += 1
+                applied.acks.append(
+                    pb.ReportAck(
+                        ack_seq=request.seq,
+                        accepted=refusal == Refusal.NONE,
+                        reason=reason,
+                        refusal=int(refusal),  # type: ignore[arg-type]
+                    )
+                )
+        return applied
+
+    async def _one(
+        self, txn: Txn, cid: str, request: pb.ConnectControllerRequest, applied: Applied
+    ) -> tuple[Refusal, str]:
+        kind = request.WhichOneof("message")
+        try:
+            if kind == "transition":
+                await transition(txn, cid, request.transition)
+            elif kind == "launch_slot_request":
+                r = request.launch_slot_request
+                reason = r.reason or "waiting for a launch slot"
+                move = await move_held(
+                    txn, r.job_id, St.ALIVE, St.ALIVE_WAITING, r.epoch, cid, reason,
+                    "launch slot requested",
+                )  # fmt: skip
+                if move is None and await _current(txn, r.job_id, r.epoch, cid) == St.LAUNCHING:
+                    # Already holds a slot (a repeated request): grant again.
+                    applied.grants.append((r.job_id, r.epoch))
+            elif kind == "launch_slot_release":
+                r2 = request.launch_slot_release
+                move = await move_held(
+                    txn, r2.job_id, St.LAUNCHING, St.ALIVE, r2.epoch, cid, r2.wait_reason,
+                    r2.wait_reason or "launched",
+                )  # fmt: skip
+                if move is None:
+                    # A repeat is harmless; a stale epoch is not.
+                    await _current(txn, r2.job_id, r2.epoch, cid)
+            elif kind == "job_finished":
+                r3 = request.job_finished
+                await finish(txn, cid, r3.job_id, r3.epoch, r3.failure_reason)
+            elif kind == "job_handback":
+                pairs = [(h.job_id, h.epoch) for h in request.job_handback.jobs]
+                await release(txn, cid, pairs=pairs, reason=f"handed back by {cid}")
+            else:
+                return Refusal.INVALID, f"a {kind or 'empty'} message is not a report"
+        except StaleReport as stale:
+            return Refusal.STALE, str(stale)
+        except (IllegalTransition, ValueError) as bad:
+            return Refusal.INVALID, str(bad)
+        return Refusal.NONE, ""
+
+    async def release_replica(
+        self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
+    ) -> list[Move]:
+        """Takes jobs (all, by default) away from a replica whose lease expired."""
+        async with self.store.transaction() as txn:
+            await release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
+        return txn.moves
+
+
+async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
+    """The job's schedule state, if it is assigned to `cid` at `epoch`.
+
+    Raises:
+        StaleReport: it is not.
+    """
+    row = (
+        await txn.session.execute(
+            select(JobRow.controller_id, JobRow.epoch, JobRow.schedule_state).where(
+                JobRow.id == job_id
+            )
+        )
+    ).first()
+    if row is None or row[0] != cid or int(row[1]) != epoch:
+        raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
+    return St(row[2])
+
+
+async def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> JobRow:
+    job = await txn.session.get(JobRow, job_id, with_for_update=True)
+    if job is None or job.epoch != epoch or job.controller_id != cid:
+        raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
+    return job
+
+
+async def _task(txn: Txn, job_id: int, task_id: int) -> TaskRow | None:
+    return await txn.session.get(TaskRow, (job_id, task_id), with_for_update=True)
+
+
+async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
+    """Applies one task report: the task, then the job's view of its current task.
+
+    Raises:
+        StaleReport: the epoch or controller is not the job's assignment.
+        IllegalTransition, ValueError: the report breaks a rule.
+    """
+    new = S(report.status)
+    job = await _held_job(txn, report.job_id, report.epoch, cid)
+    task = await _task(txn, job.id, report.task_id)
+    if task is None:
+        raise ValueError(f"job {job.id} has no task {report.task_id}")
+    old_recoveries = task.recovery_count
+    changed = set_task_status(task, new)
+    task.cluster_name = report.cluster_name or task.cluster_name
+    task.region = report.region or task.region
+    task.resources = report.resources or task.resources
+    task.recovery_count = max(task.recovery_count, report.recovery_count)
+    task.restart_count = max(task.restart_count, report.restart_count)
+    if report.failure_reason:
+        task.failure_reason = report.failure_reason
+    if report.HasField("condition") or changed:
+        # A condition describes the task as it is; a new status starts without one.
+        task.condition = report.condition
+        task.condition_time = txn.now if report.condition else None
+    start = convert.from_timestamp(report.start_time)
+    if start is not None:
+        task.start_time = start
+    elif new == S.RUNNING and task.start_time is None:
+        task.start_time = txn.now
+    if new in TERMINAL:
+        task.end_time = convert.from_timestamp(report.end_time) or task.end_time or txn.now
+    job.recovery_count += task.recovery_count - old_recoveries
+    await _follow_current_task(txn, job, task)
+    if new == S.RUNNING and job.start_time is None:
+        job.start_time = task.start_time
+    if report.release_slot and job.schedule_state == St.LAUNCHING:
+        job.schedule_state = schedule_transition(St.LAUNCHING, St.ALIVE)
+        job.wait_reason = ""
+        txn.moves.append(Move(job.id, cid, cid, job.epoch, St.LAUNCHING, St.ALIVE))
+    if changed or report.message:
+        txn.event(job.id, task.task_id, new, job.schedule_state, report.message or new.name,
+                  report.epoch)  # fmt: skip
+
+
+async def _follow_current_task(txn: Txn, job: JobRow, task: TaskRow) -> None:
+    """A job shows its first unfinished (not SUCCEEDED) task's status."""
+    status = S(task.status)
+    if task.task_id == job.current_task and status == S.SUCCEEDED:
+        if task.task_id + 1 < job.num_tasks:
+            job.current_task = task.task_id + 1
+            following = await _task(txn, job.id, job.current_task)
+            job.status = S(following.status) if following is not None else S.PENDING
+        else:
+            job.status = S.SUCCEEDED
+    elif task.task_id == job.current_task or (
+        task.task_id < job.current_task and status != S.SUCCEEDED
+    ):
+        # A finished task only leaves SUCCEEDED for FAILED_CONTROLLER (a failed cleanup).
+        job.current_task = task.task_id
+        job.status = status
+    if job.status in FAILED_GROUP and job.current_task == task.task_id:
+        job.failure_reason = task.failure_reason
+
+
+async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> None:
+    """The replica finished the lifecycle: the job is DONE.
+
+    A task the lifecycle left unfinished would break "every job ends in one
+    terminal status", so it is closed here, along `TASK_TRANSITIONS`: a task that
+    never started or was being cancelled ends CANCELLED, any other
+    FAILED_CONTROLLER with the replica's reason.
+    """
+    job = await _held_job(txn, job_id, epoch, cid)
+    if job.schedule_state == St.DONE:
+        return
+    unfinished = list(
+        await txn.session.scalars(
+            select(TaskRow)
+            .where(TaskRow.job_id == job_id, TaskRow.status.not_in(list(TERMINAL)))
+            .with_for_update()
+        )
+    )
+    for task in sorted(unfinished, key=lambda t: t.task_id):
+        if task.status in (S.PENDING, S.CANCELLING):
+            set_task_status(task, S.CANCELLED)
+        else:
+            set_task_status(task, S.FAILED_CONTROLLER)
+            task.failure_reason = reason or NO_FINAL_STATUS
+        task.end_time = txn.now
+        await _follow_current_task(txn, job, task)
+    prior = St(job.schedule_state)
+    job.schedule_state = schedule_transition(prior, St.DONE)
+    job.end_time = txn.now
+    job.wait_reason = ""
+    txn.event(job.id, job.current_task, S(job.status), St.DONE, "done", epoch)
+    txn.moves.append(Move(job_id, cid, cid, epoch, prior, St.DONE))
+
+
+async def release(
+    txn: Txn,
+    cid: str,
+    *,
+    job_ids: Iterable[int] | None = None,
+    pairs: Sequence[tuple[int, int]] | None = None,
+    reason: str,
+) -> None:
+    """Takes a replica's unfinished jobs away from it (all, some ids, or (id, epoch) pairs).
+
+    Launch slots are freed (LAUNCHING becomes ALIVE); a task that was STARTING goes
+    to RECOVERING, since its cluster's state is unknown (SPEC §9). Conditional
+    UPDATEs only: a job already moved on is left alone.
+    """
+    where = [JobRow.controller_id == cid]
+    if job_ids is not None:
+        where.append(JobRow.id.in_(list(job_ids)))
+    if pairs is not None:
+        if not pairs:
+            return
+        where.append(tuple_(JobRow.id, JobRow.epoch).in_(list(pairs)))
+    released: list[tuple[int, int, ScheduleState, ScheduleState, JobStatus, int]] = []
+    for old, new in ((St.LAUNCHING, St.ALIVE), (St.ALIVE, St.ALIVE), (St.ALIVE_WAITING,) * 2):
+        rows = (
+            await txn.session.execute(
+                update(JobRow)
+                .where(*where, JobRow.schedule_state == old)
+                .values(controller_id=None, schedule_state=schedule_transition(old, new))
+                .returning(JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task),
+                execution_options={"synchronize_session": False},
+            )
+        ).all()
+        released += [(int(i), int(e), old, new, S(s), int(t)) for i, e, s, t in rows]
+    if not released:
+        return
+    ids = [r[0] for r in released]
+    moved = await set_task_statuses(txn, ids, [S.STARTING], S.RECOVERING)
+    recovering = {job_id for job_id, _ in moved}
+    if recovering:
+        await txn.session.execute(
+            update(JobRow)
+            .where(JobRow.id.in_(list(recovering)), JobRow.status == S.STARTING)
+            .values(status=S.RECOVERING),
+            execution_options={"synchronize_session": False},
+        )
+    for job_id, epoch, old, new, status, task in released:
+        shown = S.RECOVERING if job_id in recovering and status == S.STARTING else status
+        txn.event(job_id, task, shown, new, reason)
+        txn.moves.append(Move(job_id, cid, None, epoch, old, new))
+
+
+def _job_of(request: pb.ConnectControllerRequest) -> tuple[int, int]:
+    kind = request.WhichOneof("message")
+    inner = getattr(request, kind) if kind else None
+    return int(getattr(inner, "job_id", 0)), int(getattr(inner, "epoch", 0))
