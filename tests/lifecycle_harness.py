@@ -41,6 +41,7 @@ from services.backends import (
     BackendUnreachableError,
     ClusterEvent,
     ClusterHandle,
+    ClusterStatus,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
@@ -362,6 +363,23 @@ class FailingTerminate(Wrapped):
         raise BackendError(f"terminate {handle.cluster_name}: permission denied")
 
 
+class UnreachableTerminate(Wrapped):
+    """The backend never answers a terminate: the cleanup must give up, bounded, and say so."""
+
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+        raise BackendUnreachableError(f"terminate {handle.cluster_name}: no answer")
+
+
+class VanishesAfterItsTask(Wrapped):
+    """A cluster whose task finished is gone (DOWN) at the next look; its task's end is
+    still readable, as the backend contract says (spot reclaimed right after success)."""
+
+    def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
+        if seen.end is not None:
+            return Observation(ClusterStatus.DOWN, None, seen.end)
+        return seen
+
+
 class BlockingTerminate(Wrapped):
     """Terminations after the first `passes` wait for `release`; `entered` is set when one waits.
 
@@ -493,6 +511,8 @@ class Host:
         self.hooks = hooks
         self.attempts: list[tuple[int, int]] = []
         self.reports: list[Report] = []
+        # Statuses whose report the scheduler refuses, and how (an exception to raise).
+        self.refuse: dict[JobStatus, Exception] = {}
         self.conditions: list[tuple[int, str]] = []
         self.notes: list[str] = []
         self.fetched: list[tuple[int, str, bytes, bool]] = []
@@ -521,6 +541,8 @@ class Host:
             # A condition of the task, not a transition.
             self.conditions.append((task_id, fields["condition"]))
             return
+        if status in self.refuse:
+            raise self.refuse.pop(status)
         # The scheduler's store refuses what the table forbids; so do we.
         if not task_transition_allowed(old, status):
             raise ValueError(f"task {task_id}: {old.name} -> {status.name} is not allowed")
@@ -582,6 +604,7 @@ class RunningJob:
         self.watch = watch
         self.cancel = CancelRequest()
         self.task = asyncio.create_task(run_job(lifecycle, self.cancel))
+        self.reason: str | None = None
         self.cancelled_at = 0.0
 
     @property
@@ -604,7 +627,7 @@ class RunningJob:
             if not done:
                 log = "\n".join(self.host.notes[-40:])
                 raise AssertionError(f"job {self.job_id} still running after {timeout}s:\n{log}")
-            self.task.result()
+            self.reason = self.task.result()
             for task in self.host.background:
                 await asyncio.wait_for(task, DEADLINE)
         finally:
@@ -710,6 +733,8 @@ __all__ = [
     "OddTaskStatus",
     "Recorder",
     "RunningJob",
+    "UnreachableTerminate",
+    "VanishesAfterItsTask",
     "World",
     "Wrapped",
     "build",

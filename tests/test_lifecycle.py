@@ -42,6 +42,8 @@ from lifecycle_harness import (
     NeverStartsFirst,
     NoPush,
     OddTaskStatus,
+    UnreachableTerminate,
+    VanishesAfterItsTask,
     World,
     build,
     fast_config,
@@ -55,6 +57,7 @@ from services.backends import Backend, ClusterHandle
 from services.common.statuses import IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.lifecycle import cluster_name
+from services.controller.link import MovedAway, Refused
 from services.controller.strategies import (
     Backoff,
     EagerNextRegion,
@@ -572,3 +575,82 @@ def test_defaults_are_skypilots_and_tests_inject_their_own() -> None:
     assert defaults.backoff_initial == 60.0 and defaults.max_launch_retries == 0
     fast = fast_config()
     assert fast.grace_seconds < 0.1 and fast.backoff_initial < 0.1
+
+
+# --- races that once lost or doubled work ---------------------------------------------------------
+
+
+async def test_a_succeeded_task_whose_cluster_vanished_is_not_run_again(world: World) -> None:
+    """The task's end is read first: a cluster gone right after success is not a preemption."""
+    job = make_job("name: once\nrun: train\n", 1)
+    running = await start_job(world, job, wrap=VanishesAfterItsTask)
+    await running.finished()
+    host = running.host
+    assert host.statuses(0) == list(RAN)
+    assert [x.outcome for x in host.recorder.launches] == [EAST]
+    assert await world.live(1) == []
+
+
+async def test_a_refused_report_ends_the_job_failed_controller_after_cleanup(world: World) -> None:
+    """Only a stale epoch means "moved away"; any other refusal must not strand the job."""
+    job = make_job("name: refused\nrun: train\nsim: {runtime_seconds: 1000}\n", 1)
+    running = await start_job(world, job)
+    running.host.refuse[RUNNING] = Refused("job 1 task 0: rule broken")
+    await running.finished()
+    host = running.host
+    assert host.statuses(0) == [STARTING, S.FAILED_CONTROLLER]
+    assert "rule broken" in host.last(0).fields["failure_reason"]
+    assert running.reason is not None and "refused a report" in running.reason
+    assert not host.slot.held
+    assert await world.live(1) == []  # the cluster was torn down
+
+
+async def test_a_stale_epoch_stops_the_job_at_once_without_cleanup(world: World) -> None:
+    job = make_job("name: moved\nrun: train\nsim: {runtime_seconds: 1000}\n", 1)
+    running = await start_job(world, job)
+    running.host.refuse[RUNNING] = MovedAway("job 1: epoch 1 is not current")
+    with pytest.raises(MovedAway):
+        await running.finished()
+    # The new holder owns the cluster: this replica did not touch it.
+    assert len(await world.live(1)) == 1
+    await world.sim.terminate(world.sim.handle_for("mj-1-0"))
+
+
+async def test_the_logs_of_a_preempted_attempt_are_fetched_before_its_teardown(
+    world: World,
+) -> None:
+    job = make_job(f"name: spot\nrun: train\n{SPOT}sim: {{log_lines: [working]}}\n", 1)
+    running = await start_job(
+        world, job, hooks=Hooks(at_running=preempt_first_task), wrap=LongFirstRun
+    )
+    await running.finished()
+    host = running.host
+    assert [attempt for _, attempt in host.attempts] == [1, 2]
+    first, last = host.fetched
+    assert first[3], "the preempted cluster was still there when its logs were copied"
+    assert last[2] == b"working\n"
+    # Fetched, then torn down, for each attempt.
+    timeline = [step for step in host.timeline if step[0] in ("fetch", "terminate")]
+    assert timeline[:2] == [("fetch", "0"), ("terminate", "mj-1-0")]
+
+
+async def test_a_teardown_the_backend_never_answers_ends_failed_controller_in_bounded_time(
+    world: World,
+) -> None:
+    job = make_job("name: stuck\nrun: train\n", 1)
+    config = fast_config(unreachable_timeout=0.2)
+    running = await start_job(world, job, config=config, wrap=UnreachableTerminate)
+    await running.finished(timeout=5)
+    host = running.host
+    assert host.statuses(0) == [*RAN, S.FAILED_CONTROLLER]
+    assert "stayed unreachable" in host.last(0).fields["failure_reason"]
+    assert any("retrying until it answers" in note for note in host.notes)
+    await world.sim.terminate(world.sim.handle_for("mj-1-0"))
+
+
+async def test_a_succeeded_cluster_is_torn_down_once(world: World) -> None:
+    job = make_job("name: once\nrun: train\n", 1)
+    running = await start_job(world, job)
+    await running.finished()
+    terminations = [s for s in running.host.timeline if s[0] == "terminate"]
+    assert terminations == [("terminate", "mj-1-0")]

@@ -170,20 +170,23 @@ class Strategy(abc.ABC):
     async def _started(self, handle: ClusterHandle) -> bool:
         """Whether the task starts on a new cluster within `start_checks` checks.
 
-        A cluster that went down meanwhile (preempted while the task was being
-        submitted) is a failed attempt at once, as in SkyPilot.
+        A task that already ended there has started. A cluster that went down
+        meanwhile (preempted while the task was being submitted) is a failed attempt
+        at once, as in SkyPilot.
         """
         for check in range(max(1, self.config.start_checks)):
             if check:
                 await self.config.sleep(self.config.start_check_interval)
             try:
-                status = await self.backend.task_status(handle)
-                if status is None and await self.backend.cluster_status(handle) != ClusterStatus.UP:
-                    return False
+                seen = await self.backend.observe(handle)
             except BackendError as error:
                 self.note(f"cannot read the task on {handle.cluster_name} yet: {error}")
                 continue
-            if status is not None and status != TaskStatus.PENDING:
+            if seen.end is not None:
+                return True
+            if seen.cluster != ClusterStatus.UP:
+                return False
+            if seen.task is not None and seen.task != TaskStatus.PENDING:
                 return True
         return False
 

@@ -1,0 +1,115 @@
+"""A controller replica's own bookkeeping: cancels, assignments and watchers.
+
+These run the `Replica` class in this process without a scheduler: messages are
+handed to it as its stream would, and what it does with them is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from managedjobs.v1 import job_pb2
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.backends import ClusterEvent, ClusterHandle, ClusterStatus, Observation
+from services.backends.local import LocalBackend
+from services.backends.wrapper import BackendWrapper
+from services.controller.config import LifecycleConfig
+from services.controller.joblog import LogsClient
+from services.controller.replica import Replica
+from services.controller.watch import ClusterWatch
+from services.scheduler.spec import parse_job_spec
+
+
+@pytest.fixture
+async def replica(tmp_path: Path) -> AsyncIterator[Replica]:
+    made = Replica(
+        controller_id="c1",
+        address="",
+        capacity=pb.Capacity(max_launches=4, max_jobs=10),
+        backend=LocalBackend(tmp_path / "clusters"),
+        logs=LogsClient("127.0.0.1:1"),
+        config=LifecycleConfig(),
+        scheduler_address="127.0.0.1:1",
+    )
+    yield made
+    await made.close()
+
+
+def assignment(
+    job_id: int, epoch: int, cancel_requested: bool = False
+) -> pb.ConnectControllerResponse:
+    spec = parse_job_spec("name: j\nrun: sleep 100\n")
+    task = job_pb2.Task(task_id=0, name="j", status=job_pb2.JOB_STATUS_PENDING, spec=spec.tasks[0])
+    job = job_pb2.Job(job_id=job_id, name="j", tasks=[task], cancel_requested=cancel_requested)
+    return pb.ConnectControllerResponse(assignment=pb.JobAssignment(job=job, epoch=epoch))
+
+
+def cancel(job_id: int, epoch: int) -> pb.ConnectControllerResponse:
+    return pb.ConnectControllerResponse(cancel=pb.JobCancel(job_id=job_id, epoch=epoch))
+
+
+async def test_a_cancel_that_arrives_before_its_assignment_is_kept(replica: Replica) -> None:
+    """The scheduler sends a cancel as soon as it commits; the assignment it races may
+    come after it. The replica keeps the cancel for that (job, epoch)."""
+    await replica.on_message(cancel(7, 3))
+    await replica.on_message(assignment(7, 3))
+    assert replica.runners[7].cancel.is_set()
+
+
+async def test_an_early_cancel_for_another_epoch_does_not_cancel(replica: Replica) -> None:
+    await replica.on_message(cancel(8, 2))
+    await replica.on_message(assignment(8, 3))
+    assert not replica.runners[8].cancel.is_set()
+
+
+async def test_a_cancel_reaches_a_running_job_of_its_epoch(replica: Replica) -> None:
+    await replica.on_message(assignment(9, 1))
+    runner = replica.runners[9]
+    await replica.on_message(cancel(9, 1))
+    assert runner.cancel.is_set()
+
+
+async def test_an_older_assignment_never_replaces_a_newer_one(replica: Replica) -> None:
+    await replica.on_message(assignment(10, 5))
+    first = replica.runners[10]
+    await replica.on_message(assignment(10, 4))
+    assert replica.runners[10] is first and first.epoch == 5
+
+
+class Pushing(BackendWrapper):
+    """A backend that pushes the events a test puts in `pushed`."""
+
+    def __init__(self, inner: LocalBackend) -> None:
+        super().__init__(inner)
+        self.pushed: asyncio.Queue[ClusterEvent] = asyncio.Queue()
+
+    def events(self) -> AsyncIterator[ClusterEvent] | None:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[ClusterEvent]:
+        while True:
+            yield await self.pushed.get()
+
+
+async def test_closing_one_watcher_leaves_the_others_of_a_cluster_listening(
+    tmp_path: Path,
+) -> None:
+    """A job's old and new runner may watch one cluster name for a moment."""
+    backend = Pushing(LocalBackend(tmp_path))
+    hub = ClusterWatch(backend, poll_interval=3600)
+    hub.start()
+    try:
+        handle = ClusterHandle("mj-1-0", "local")
+        old, new = hub.watch(handle), hub.watch(handle)
+        old.close()
+        news = Observation(ClusterStatus.DOWN)
+        await backend.pushed.put(ClusterEvent("mj-1-0", news))
+        assert await asyncio.wait_for(new.next(1), 2) == news
+        new.close()
+        assert hub.watched == 0 and hub.observe_calls == 0
+    finally:
+        await hub.close()
