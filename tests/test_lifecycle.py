@@ -58,6 +58,7 @@ from services.common.statuses import IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.lifecycle import cluster_name
 from services.controller.link import MovedAway, Refused
+from services.controller.metrics import MeteredBackend
 from services.controller.strategies import (
     Backoff,
     EagerNextRegion,
@@ -654,3 +655,24 @@ async def test_a_succeeded_cluster_is_torn_down_once(world: World) -> None:
     await running.finished()
     terminations = [s for s in running.host.timeline if s[0] == "terminate"]
     assert terminations == [("terminate", "mj-1-0")]
+
+
+async def test_a_running_job_on_a_pushing_backend_makes_no_backend_calls_while_quiet(
+    world: World,
+) -> None:
+    metered: list[MeteredBackend] = []
+
+    def meter(backend: Backend) -> Backend:
+        metered.append(MeteredBackend(backend))
+        return metered[0]
+
+    job = make_job("name: quiet\nrun: train\nsim: {runtime_seconds: 1000000}\n", 1)
+    # A short poll interval: a backend that pushes must not be polled at all.
+    running = await start_job(world, job, wrap=meter, config=fast_config(poll_interval=0.1))
+    await asyncio.wait_for(running.host.watching.wait(), 5)
+    before = dict(metered[0].calls)
+    await asyncio.sleep(1.0)  # a quiet interval: nothing happens to the cluster
+    assert metered[0].calls == before, (before, metered[0].calls)
+    assert running.host.hub.observe_calls <= 1  # the first look only
+    running.request_cancel()
+    await running.finished()

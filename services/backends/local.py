@@ -326,6 +326,8 @@ class LocalBackend(Backend):
     """Clusters as a directory plus a supervisor process on this host."""
 
     name = "local"
+    # A launch starts a process: 4 per CPU, as SkyPilot sizes its launch parallelism.
+    launch_concurrency = 4 * (os.cpu_count() or 1)
 
     def __init__(
         self,

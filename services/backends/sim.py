@@ -154,6 +154,8 @@ class SimBackend(Backend):
     """Clusters in the sim cloud, reached over one gRPC channel."""
 
     name = "sim"
+    # A launch is an RPC to the cloud: many run at once cheaply.
+    launch_concurrency = 256
 
     def __init__(
         self,

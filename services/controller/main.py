@@ -19,6 +19,7 @@ from pathlib import Path
 from managedjobs.v1 import controller_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs, settings
+from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
 from services.controller.capacity import DEFAULT_MEMORY_PER_JOB_KB, replica_capacity
@@ -42,7 +43,13 @@ SETTINGS = (
     settings.BACKEND,
     *backend_settings(),
     settings.DATA_DIR,
-    Setting("max_launches", "MJ_CONTROLLER_MAX_LAUNCHES", 0, "launch capacity (0: 4 x CPUs)", int),
+    Setting(
+        "max_launches",
+        "MJ_CONTROLLER_MAX_LAUNCHES",
+        0,
+        "launch capacity (0: what the backend runs well at once; 4 x CPUs for local)",
+        int,
+    ),
     Setting("max_jobs", "MJ_CONTROLLER_MAX_JOBS", 0, "job capacity (0: from memory)", int),
     Setting(
         "memory_per_job_kb",
@@ -82,6 +89,7 @@ SETTINGS = (
         float,
     ),
     Setting("start_checks", "MJ_START_CHECKS", 60, "checks before a launch is retried", int),
+    METRICS_PORT,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -99,7 +107,9 @@ async def serve(a: argparse.Namespace) -> None:
         start_check_interval=a.start_check_interval,
     )
     server = Server(a.host, a.port)
-    capacity = replica_capacity(a.max_launches, a.max_jobs, a.memory_per_job_kb)
+    capacity = replica_capacity(
+        a.max_launches or backend.launch_concurrency, a.max_jobs, a.memory_per_job_kb
+    )
     replica = Replica(
         controller_id=a.controller_id,
         address="",
@@ -121,6 +131,7 @@ async def serve(a: argparse.Namespace) -> None:
         f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
     )
     replica.start()
+    serve_metrics(a.metrics_port, a.host)
     log.info(
         "controller serving",
         extra={"port": port, "controller_id": replica.controller_id, "pid": os.getpid()},

@@ -29,12 +29,14 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.backends import Backend, ClusterHandle
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
+from services.controller import metrics
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
 from services.controller.joblog import LogsClient
 from services.controller.lifecycle import JobLifecycle, News, Watcher
 from services.controller.link import Link, MovedAway, Rejected
+from services.controller.metrics import MeteredBackend
 from services.controller.watch import ClusterWatch
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,7 @@ class JobRunner:
             transition.release_slot = True
             self.slot.held = False
         await self.replica.link.call(transition=transition)
+        metrics.transition(status)
 
     def note(self, message: str) -> None:
         self.replica.logs.note(self.job_id, message)
@@ -199,15 +202,25 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
         self.link = Link(scheduler_address, self.hello, self.on_message, self.on_lease_lost)
-        self.backend: Backend = LeaseGuard(backend, self.link.wait_lease)
+        self.metered = MeteredBackend(backend)
+        self.backend: Backend = LeaseGuard(self.metered, self.link.wait_lease)
         self.watch = ClusterWatch(self.backend, config.poll_interval)
         self._early_cancels: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._link_task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        metrics.watch_replica(self.gauges)
         self.logs.start()
         self.watch.start()
         self._link_task = asyncio.create_task(self.link.run(), name="scheduler-link")
+
+    def gauges(self) -> dict[str, float]:
+        return {
+            "mj_replica_held_jobs": len(self.runners),
+            "mj_replica_held_launch_slots": sum(r.slot.held for r in self.runners.values()),
+            "mj_replica_watched_clusters": self.watch.watched,
+            "mj_replica_lease_seconds_left": max(0.0, self.link.lease_left()),
+        }
 
     def hello(self) -> pb.ControllerHello:
         return pb.ControllerHello(

@@ -16,6 +16,7 @@ from pathlib import Path
 from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs
+from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
 from services.common.settings import (
     BACKEND,
@@ -50,6 +51,7 @@ SETTINGS = (
     SCHEDULER_ADDRESS,
     BACKEND,
     *backend_settings(),
+    METRICS_PORT,
     LOG_LEVEL,
     SHUTDOWN_GRACE,
     TAIL_POLL_INTERVAL,
@@ -73,6 +75,7 @@ async def serve(args: argparse.Namespace) -> None:
     server.add(log_service_pb2_grpc.add_LogServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await server.start()
+        serve_metrics(args.metrics_port, args.host)
         log.info("serving", extra={"port": port, "scheduler": args.scheduler_address})
         await run_until_signal(server, args.shutdown_grace, drain=servicer.drain)
     finally:

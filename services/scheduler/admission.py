@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ALIVE_STATES, ScheduleState
+from services.scheduler import metrics
 from services.scheduler.counters import Counters
 from services.scheduler.outbox import Outbox
 from services.scheduler.store import ADMITTED_ON, RESUMED_ON, Move, Store
@@ -235,6 +236,8 @@ class Admission:
 
     def _assign(self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool) -> None:
         epochs = {m.job_id: m.epoch for m in moves}
+        if granted:
+            metrics.admitted(jobs)
         for job in jobs:
             self.outbox.assign(cid, job, epochs[job.job_id], granted)
 

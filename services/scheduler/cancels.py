@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from sqlalchemy import ColumnElement, and_, select, true, update
 
 from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler import metrics
 from services.scheduler.models import JobRow
 from services.scheduler.outbox import Outbox
 from services.scheduler.store import Move, Store, set_task_statuses
@@ -108,6 +109,8 @@ class Cancels:
                 cancelled.append(int(job_id))
                 if controller_id is not None:
                     notices.append((controller_id, int(job_id), int(epoch)))
+            newly_ids = [int(r[0]) for r in newly]
+            txn.after.append(lambda: metrics.cancel_requested(ids + newly_ids, ids))
         for controller_id, job_id, epoch in notices:
             self.outbox.cancel(controller_id, job_id, epoch)
         return sorted(set(cancelled))

@@ -1,9 +1,11 @@
 """Database engines: a SQLite file by default, PostgreSQL when given a URL.
 
-SQLite runs in WAL mode with a busy timeout, and every write transaction starts
-with BEGIN IMMEDIATE so that two writers never deadlock upgrading a read lock.
-Reads use a second engine with ordinary deferred transactions. PostgreSQL uses
-one engine for both. Migrations (alembic) run at start, on the same driver.
+SQLite has one writer: the write engine holds a single connection, so write
+transactions queue in the pool (an asyncio wait) instead of contending for
+SQLite's write lock and sleeping in its busy handler; each starts with BEGIN
+IMMEDIATE. Reads use a second engine (WAL mode: readers never block the
+writer). PostgreSQL uses one engine for both and keeps its concurrency.
+Migrations (alembic) run at start, on the same driver.
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _sqlite_engine(url: str, begin: str) -> AsyncEngine:
+def _sqlite_engine(url: str, begin: str, **pool: Any) -> AsyncEngine:
     # No reset-on-return ROLLBACK: every session ends its own transaction, and with
     # aiosqlite each statement is a thread hop worth saving.
-    engine = create_async_engine(url, connect_args={"timeout": 10}, pool_reset_on_return=None)
+    engine = create_async_engine(
+        url, connect_args={"timeout": 10}, pool_reset_on_return=None, **pool
+    )
     event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
 
     @event.listens_for(engine.sync_engine, "begin")
@@ -81,7 +85,8 @@ class Database:
     def open(cls, url: str) -> Database:
         url = normalize_url(url)
         if url.startswith("sqlite"):
-            return cls(url, _sqlite_engine(url, "BEGIN IMMEDIATE"), _sqlite_engine(url, "BEGIN"))
+            writer = _sqlite_engine(url, "BEGIN IMMEDIATE", pool_size=1, max_overflow=0)
+            return cls(url, writer, _sqlite_engine(url, "BEGIN"))
         engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
         return cls(url, engine, engine)
 

@@ -23,8 +23,10 @@ from collections.abc import Sequence as Seq
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from services.common import logs, settings
 from services.common.errors import register_translator
+from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
+from services.scheduler import metrics
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.api import JobApi
 from services.scheduler.cancels import Cancels
@@ -89,6 +91,7 @@ SETTINGS = (
         "seconds between checks of the admission counters against a recount",
         float,
     ),
+    METRICS_PORT,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -115,6 +118,7 @@ class SchedulerApp:
         self.outbox = Outbox()
         self.admission = Admission(self.store, self.counters, self.outbox, limits)
         self.store.on_moves = self._moved
+        metrics.watch_counters(self.counters)
         self.store.on_doubt = self.reconcile_soon
         self.reports = Reports(self.store)
         self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
@@ -144,6 +148,7 @@ class SchedulerApp:
 
     def _moved(self, moves: Seq[Move]) -> None:
         self.counters.apply(moves)
+        metrics.moved(moves)
         self.admission.moved(moves)
 
     def reconcile_soon(self) -> None:
@@ -151,9 +156,12 @@ class SchedulerApp:
 
     async def reconcile(self) -> None:
         """Checks counters against a recount and replicas against their assignments."""
-        if await self.counters.reconcile():
+        diff = await self.counters.reconcile()
+        if diff:
+            metrics.corrected(sum(abs(n) for n in diff.values()))
             self.admission.kick()
         await self.replicas.sync_assignments()
+        metrics.statuses(await self.store.status_counts())
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -213,6 +221,7 @@ async def serve(a: argparse.Namespace) -> None:
         reconcile_interval=a.reconcile_interval,
     )
     port = await app.start()
+    serve_metrics(a.metrics_port, a.host)
     log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
     try:
         await run_until_signal(app.server, a.shutdown_grace)

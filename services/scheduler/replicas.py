@@ -32,6 +32,7 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
 from services.common.errors import FailedPrecondition, rpc_errors
 from services.common.statuses import ScheduleState
+from services.scheduler import metrics
 from services.scheduler.admission import Admission
 from services.scheduler.health import DbHealth
 from services.scheduler.outbox import Outbox, Stream
@@ -118,6 +119,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
     async def _expire(self, lease: Lease) -> None:
         cid = lease.controller_id
         log.warning("lease expired", extra={"controller_id": cid})
+        metrics.lease_expired()
         if self.leases.get(cid) is lease:
             del self.leases[cid]
         self.admission.gone(cid)

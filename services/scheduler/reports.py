@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Iterable, Sequence
 
 from sqlalchemy import select, tuple_, update
@@ -34,7 +35,7 @@ from services.common.statuses import (
     ScheduleState,
     schedule_transition,
 )
-from services.scheduler import convert
+from services.scheduler import convert, metrics
 from services.scheduler.models import JobRow, TaskRow
 from services.scheduler.store import (
     Move,
@@ -87,6 +88,9 @@ class Reports:
                     applied.revokes.append(_job_of(request))
                 elif refusal == Refusal.INVALID:
                     self.refused_invalid += 1
+                kind = request.WhichOneof("message") or "empty"
+                refused = "" if refusal == Refusal.NONE else refusal.name.lower()
+                txn.after.append(functools.partial(metrics.reported, kind, refused))
                 applied.acks.append(
                     pb.ReportAck(
                         ack_seq=request.seq,
@@ -187,7 +191,7 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
     task = await _task(txn, job.id, report.task_id)
     if task is None:
         raise ValueError(f"job {job.id} has no task {report.task_id}")
-    old_recoveries = task.recovery_count
+    old_recoveries, old_restarts = task.recovery_count, task.restart_count
     changed = set_task_status(task, new)
     task.cluster_name = report.cluster_name or task.cluster_name
     task.region = report.region or task.region
@@ -218,6 +222,16 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
     if changed or report.message:
         txn.event(job.id, task.task_id, new, job.schedule_state, report.message or new.name,
                   report.epoch)  # fmt: skip
+    if changed:
+        txn.after.append(
+            functools.partial(
+                metrics.task_changed,
+                job.id,
+                new,
+                task.recovery_count - old_recoveries,
+                task.restart_count - old_restarts,
+            )
+        )
 
 
 async def _follow_current_task(txn: Txn, job: JobRow, task: TaskRow) -> None:

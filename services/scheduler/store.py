@@ -115,6 +115,8 @@ class Txn:
     now: dt.datetime
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     moves: list[Move] = dataclasses.field(default_factory=list)
+    # Run once the transaction committed (metrics, messages that depend on the commit).
+    after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
     def event(
         self,
@@ -218,6 +220,8 @@ class Store:
             self.bus.publish(messages)
             if txn.moves:
                 self.on_moves(txn.moves)
+            for call in txn.after:
+                call()
         finally:
             self.writes_in_flight -= 1
 
@@ -451,6 +455,13 @@ class Store:
             return await move_held(
                 txn, job_id, old, new, epoch, controller_id, wait_reason, message
             )
+
+    async def status_counts(self) -> dict[JobStatus, int]:
+        """Jobs per status, straight from the database."""
+        query = select(JobRow.status, func.count()).group_by(JobRow.status)
+        async with self.db.read() as session:
+            rows = (await session.execute(query)).all()
+        return {S(s) if not isinstance(s, S) else s: int(n) for s, n in rows}
 
     async def recount(self) -> Counter[tuple[str | None, ScheduleState]]:
         """Jobs per (replica, schedule state), straight from the database."""

@@ -17,6 +17,7 @@ import os
 from collections.abc import Sequence
 
 from services.common import logs, settings
+from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import run_until_signal
 from services.common.settings import Setting
 from services.simcloud.config import CloudConfig, ConfigError, load_config
@@ -41,6 +42,7 @@ SETTINGS = (
         "simulated seconds per real second (default: the config's)",
         float,
     ),
+    METRICS_PORT,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -48,6 +50,7 @@ SETTINGS = (
 
 async def serve(args: argparse.Namespace, config: CloudConfig) -> None:
     running = await start(config, args.host, args.port)
+    serve_metrics(args.metrics_port, args.host)
     log.info(
         "simcloud serving",
         extra={

@@ -1,0 +1,47 @@
+"""Prometheus metrics: one registry per process, served on `--metrics-port` (0: off).
+
+Each service declares its own metrics next to its code (e.g.
+`services/scheduler/metrics.py`); what every service shares is here: the
+setting, the HTTP endpoint, and the RPC latency histogram the gRPC edge feeds.
+Names start with `mj_`; the README lists them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import Histogram, start_http_server
+
+from services.common.settings import Setting
+
+log = logging.getLogger(__name__)
+
+METRICS_PORT = Setting(
+    "metrics_port",
+    "MJ_METRICS_PORT",
+    0,
+    "port serving Prometheus metrics at /metrics (0: off)",
+    int,
+)
+
+# Latency buckets from a millisecond to a minute: RPCs, grants, launches, cancels.
+SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+RPC_SECONDS = Histogram(
+    "mj_rpc_seconds",
+    "Server-side time of unary RPCs and time to the first message of streams, by method",
+    ["method", "code"],
+    buckets=SECONDS,
+)
+
+
+def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
+    """Serves /metrics on `port` (0: not at all); returns the port."""
+    if not port:
+        return 0
+    start_http_server(port, addr=host)
+    log.info("metrics serving", extra={"metrics_port": port})
+    return port
+
+
+__all__ = ["METRICS_PORT", "RPC_SECONDS", "SECONDS", "serve_metrics"]
