@@ -89,6 +89,27 @@ async def test_submit_get_list_and_cancel_waiting_job(
     assert list(again.cancelled_job_ids) == []
 
 
+async def test_submit_jobs_stores_all_in_order_or_none(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    good = [pb.SubmitJobRequest(spec_yaml=f"name: j{i}\nrun: echo\n") for i in range(5)]
+    reply = await client.SubmitJobs(pb.SubmitJobsRequest(jobs=good))
+    assert len(reply.job_ids) == 5 and list(reply.job_ids) == sorted(reply.job_ids)
+    names = {(await client.GetJob(pb.GetJobRequest(job_id=i))).job.name for i in reply.job_ids}
+    assert names == {f"j{i}" for i in range(5)}
+    bad = [*good[:2], pb.SubmitJobRequest(spec_yaml="run: x\nresources: {gpus: 1}\n")]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.SubmitJobs(pb.SubmitJobsRequest(jobs=bad))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "jobs[2]." in caught.value.details()
+    listed = await client.ListJobs(pb.ListJobsRequest())
+    assert len(listed.jobs) == 5  # nothing of the refused batch was stored
+    for jobs in ([], [good[0]] * 1001):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await client.SubmitJobs(pb.SubmitJobsRequest(jobs=jobs))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_idempotent_submit(client: job_service_pb2_grpc.JobServiceStub) -> None:
     request = pb.SubmitJobRequest(spec_yaml="run: echo\n", user="a", idempotency_key="k")
     first = await client.SubmitJob(request)

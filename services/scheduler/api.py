@@ -25,6 +25,7 @@ from services.scheduler.spec import SpecError, parse_job_spec
 from services.scheduler.store import NewJob, Store
 
 DEFAULT_PAGE_SIZE = 100
+MAX_BATCH = 1000
 MAX_PAGE_SIZE = 1000
 MAX_PRIORITY = 1000
 MAX_KEY_CHARS = 256
@@ -84,34 +85,55 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         self.cancels = cancels
         self.intake = Intake(store)
 
-    @rpc_errors
-    async def SubmitJob(
-        self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.SubmitJobResponse:
+    def _new_job(self, request: pb.SubmitJobRequest, prefix: str = "") -> NewJob:
+        """The validated job of a submission; errors name the field (under `prefix`).
+
+        Raises:
+            InvalidArgument: the submission can never run; nothing is stored.
+        """
         if not -MAX_PRIORITY <= request.priority <= MAX_PRIORITY:
-            raise InvalidArgument(f"priority: must be within -{MAX_PRIORITY}..{MAX_PRIORITY}")
+            raise InvalidArgument(
+                f"{prefix}priority: must be within -{MAX_PRIORITY}..{MAX_PRIORITY}"
+            )
         if len(request.idempotency_key) > MAX_KEY_CHARS:
-            raise InvalidArgument(f"idempotency_key: at most {MAX_KEY_CHARS} characters")
+            raise InvalidArgument(f"{prefix}idempotency_key: at most {MAX_KEY_CHARS} characters")
         if len(request.pool) > MAX_USER_CHARS:
-            raise InvalidArgument(f"pool: at most {MAX_USER_CHARS} characters")
+            raise InvalidArgument(f"{prefix}pool: at most {MAX_USER_CHARS} characters")
         user = _user(request.user)
         try:
             spec = parse_job_spec(
                 request.spec_yaml, name_override=request.name, extra_envs=dict(request.envs)
             )
         except SpecError as error:
-            raise InvalidArgument(str(error), field=error.field) from None
-        job_id, _ = await self.intake.submit(
-            NewJob(
-                name=spec.name,
-                user=user,
-                priority=request.priority,
-                pool=request.pool,
-                idempotency_key=request.idempotency_key,
-                tasks=spec.tasks,
-            )
+            field = prefix + error.field
+            raise InvalidArgument(f"{prefix}{error}", field=field) from None
+        return NewJob(
+            name=spec.name,
+            user=user,
+            priority=request.priority,
+            pool=request.pool,
+            idempotency_key=request.idempotency_key,
+            tasks=spec.tasks,
         )
+
+    @rpc_errors
+    async def SubmitJob(
+        self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SubmitJobResponse:
+        job_id, _ = await self.intake.submit(self._new_job(request))
         return pb.SubmitJobResponse(job_id=job_id)
+
+    @rpc_errors
+    async def SubmitJobs(
+        self, request: pb.SubmitJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.SubmitJobsResponse:
+        if not request.jobs:
+            raise InvalidArgument("jobs: give at least one job")
+        if len(request.jobs) > MAX_BATCH:
+            raise InvalidArgument(f"jobs: at most {MAX_BATCH} per call, got {len(request.jobs)}")
+        jobs = [self._new_job(job, f"jobs[{i}].") for i, job in enumerate(request.jobs)]
+        answers = await self.intake.submit_many(jobs)
+        return pb.SubmitJobsResponse(job_ids=[job_id for job_id, _ in answers])
 
     @rpc_errors
     async def GetJob(

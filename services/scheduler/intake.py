@@ -21,11 +21,20 @@ class Intake:
         self._worker: asyncio.Task[None] | None = None
 
     async def submit(self, job: NewJob) -> tuple[int, bool]:
-        future: asyncio.Future[tuple[int, bool]] = asyncio.get_running_loop().create_future()
-        self._pending.append((job, future))
+        """Stores one job (with whatever else is queued); (job_id, created)."""
+        return (await self.submit_many([job]))[0]
+
+    async def submit_many(self, jobs: list[NewJob]) -> list[tuple[int, bool]]:
+        """Stores jobs, in order, in as few transactions as the batch size allows."""
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[tuple[int, bool]]] = []
+        for job in jobs:
+            future: asyncio.Future[tuple[int, bool]] = loop.create_future()
+            self._pending.append((job, future))
+            futures.append(future)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain(), name="intake")
-        return await future
+        return list(await asyncio.gather(*futures))
 
     async def _drain(self) -> None:
         while self._pending:

@@ -40,6 +40,11 @@ class JobServiceStub:
                 request_serializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobResponse.FromString,
                 _registered_method=True)
+        self.SubmitJobs = channel.unary_unary(
+                '/managedjobs.v1.JobService/SubmitJobs',
+                request_serializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobsRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobsResponse.FromString,
+                _registered_method=True)
         self.GetJob = channel.unary_unary(
                 '/managedjobs.v1.JobService/GetJob',
                 request_serializer=managedjobs_dot_v1_dot_job__service__pb2.GetJobRequest.SerializeToString,
@@ -68,6 +73,14 @@ class JobServiceServicer:
 
     def SubmitJob(self, request, context):
         """Validates and stores a job; with an idempotency key, a repeat returns the first job's id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SubmitJobs(self, request, context):
+        """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
+        job by its index, e.g. `jobs[3].resources.cpus`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,6 +119,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.SubmitJob,
                     request_deserializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobRequest.FromString,
                     response_serializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobResponse.SerializeToString,
+            ),
+            'SubmitJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.SubmitJobs,
+                    request_deserializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobsRequest.FromString,
+                    response_serializer=managedjobs_dot_v1_dot_job__service__pb2.SubmitJobsResponse.SerializeToString,
             ),
             'GetJob': grpc.unary_unary_rpc_method_handler(
                     servicer.GetJob,
@@ -156,6 +174,33 @@ class JobService:
             '/managedjobs.v1.JobService/SubmitJob',
             managedjobs_dot_v1_dot_job__service__pb2.SubmitJobRequest.SerializeToString,
             managedjobs_dot_v1_dot_job__service__pb2.SubmitJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubmitJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.v1.JobService/SubmitJobs',
+            managedjobs_dot_v1_dot_job__service__pb2.SubmitJobsRequest.SerializeToString,
+            managedjobs_dot_v1_dot_job__service__pb2.SubmitJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

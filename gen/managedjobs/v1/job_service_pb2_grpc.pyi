@@ -35,6 +35,10 @@ class JobServiceStub:
     def __new__(cls, channel: _aio.Channel) -> JobServiceAsyncStub: ...
     SubmitJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobRequest, _job_service_pb2.SubmitJobResponse]
     """Validates and stores a job; with an idempotency key, a repeat returns the first job's id."""
+    SubmitJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobsRequest, _job_service_pb2.SubmitJobsResponse]
+    """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
+    job by its index, e.g. `jobs[3].resources.cpus`).
+    """
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]
     CancelJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobsRequest, _job_service_pb2.CancelJobsResponse]
@@ -49,6 +53,10 @@ class JobServiceAsyncStub(JobServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     SubmitJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobRequest, _job_service_pb2.SubmitJobResponse]  # type: ignore[assignment]
     """Validates and stores a job; with an idempotency key, a repeat returns the first job's id."""
+    SubmitJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobsRequest, _job_service_pb2.SubmitJobsResponse]  # type: ignore[assignment]
+    """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
+    job by its index, e.g. `jobs[3].resources.cpus`).
+    """
     GetJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]  # type: ignore[assignment]
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]  # type: ignore[assignment]
     CancelJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobsRequest, _job_service_pb2.CancelJobsResponse]  # type: ignore[assignment]
@@ -66,6 +74,16 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.SubmitJobResponse, _abc.Awaitable[_job_service_pb2.SubmitJobResponse]]:
         """Validates and stores a job; with an idempotency key, a repeat returns the first job's id."""
+
+    @_abc_1.abstractmethod
+    def SubmitJobs(
+        self,
+        request: _job_service_pb2.SubmitJobsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_service_pb2.SubmitJobsResponse, _abc.Awaitable[_job_service_pb2.SubmitJobsResponse]]:
+        """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
+        job by its index, e.g. `jobs[3].resources.cpus`).
+        """
 
     @_abc_1.abstractmethod
     def GetJob(

@@ -1,0 +1,111 @@
+"""The system under benchmark: the whole stack as processes on a sim cloud, and its clients.
+
+Every benchmark that measures the running system starts it here, so they all
+run the same topology (sim cloud, scheduler, logs, replicas) with the same
+settings, and reach it the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import statistics
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import psutil
+
+from services.stack import Stack
+
+# One big region, no launch latency, tasks that run until cancelled.
+CLOUD = """
+seed: 1
+time_scale: 1
+launch_latency_seconds: 0
+max_cpus: 64
+regions:
+  - {name: us-east-1, zones: [us-east-1a], spot_nodes: 10000000, on_demand_nodes: 10000000}
+"""
+LONG_SPEC = "name: bench\nrun: train\nsim: {runtime_seconds: 100000000}\n"
+# A pushing backend: replicas never poll; launches are checked quickly.
+CONTROLLER_ARGS = ["--poll-interval", "3600", "--start-check-interval", "0.05"]
+CONTROLLER_ARGS += ["--log-level", "WARNING"]
+
+
+@contextlib.contextmanager
+def running_system(
+    data_dir: Path,
+    replicas: int = 1,
+    database_url: str = "",
+    scheduler_args: Sequence[str] = (),
+    controller_args: Sequence[str] = (),
+) -> Iterator[Stack]:
+    config = data_dir / "simcloud.yaml"
+    config.write_text(CLOUD)
+    stack = Stack(
+        data_dir,
+        replicas=replicas,
+        database_url=database_url,
+        scheduler_args=["--log-level", "WARNING", *scheduler_args],
+        controller_args=[*CONTROLLER_ARGS, *controller_args],
+        simcloud_args=["--config", str(config), "--log-level", "WARNING"],
+    )
+    stack.start(timeout=60)
+    try:
+        yield stack
+    finally:
+        stack.stop()
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    """An asyncio channel to a service of the system."""
+    return grpc.aio.insecure_channel(
+        address, options=[("grpc.max_receive_message_length", 1 << 26)]
+    )
+
+
+def processes(stack: Stack) -> dict[str, psutil.Process]:
+    return {s.name: psutil.Process(s.process.pid) for s in stack.services if s.process}
+
+
+def memory(process: psutil.Process) -> dict[str, float]:
+    info = process.memory_full_info()
+    return {"rss_mb": round(info.rss / 2**20, 1), "pss_mb": round(info.pss / 2**20, 1)}
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * fraction))]
+
+
+def summary(values: Sequence[float], unit: str) -> dict[str, float]:
+    """p50, p99 and max of `values`, rounded, keyed with `unit` (e.g. "ms")."""
+    if not values:
+        return {}
+    return {
+        f"p50_{unit}": round(statistics.median(values), 2),
+        f"p99_{unit}": round(percentile(values, 0.99), 2),
+        f"max_{unit}": round(max(values), 2),
+    }
+
+
+def postgres_database(admin_url: str) -> str:
+    """A fresh database on the PostgreSQL server of `admin_url` (left for inspection)."""
+    import asyncpg
+
+    name = f"mj_bench_{uuid.uuid4().hex[:8]}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(admin_url)
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        await conn.close()
+
+    asyncio.run(create())
+    return admin_url.rsplit("/", 1)[0] + "/" + name
