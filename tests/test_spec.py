@@ -176,7 +176,7 @@ def test_job_recovery_as_string_or_mapping(recovery: str, strategy: int, max_res
 
 @pytest.mark.parametrize(
     ("accelerators", "expected"),
-    [("{A100: 8}", "A100:8"), ("{T4: 0.5}", "T4:0.5"), ("V100:2", "V100:2"), ("4", "4")],
+    [("{A100: 8}", "A100:8"), ("T4", "T4"), ("V100:2", "V100:2"), ("4", "4")],
 )
 def test_accelerators_string_number_or_mapping(accelerators: str, expected: str) -> None:
     [task] = parse_job_spec(f"resources:\n  accelerators: {accelerators}\n").tasks
@@ -239,8 +239,8 @@ def test_spec_error_reads_as_field_then_message() -> None:
     err = info.value
     assert isinstance(err, ValueError)
     assert err.field == "tasks[1].resources.cpus"
-    assert err.message == "expected a string or number, got list"
-    assert str(err) == "tasks[1].resources.cpus: expected a string or number, got list"
+    assert err.message == "expected a number such as 4 or 4+, got list"
+    assert str(err) == "tasks[1].resources.cpus: expected a number such as 4 or 4+, got list"
 
 
 def test_malformed_yaml_names_the_line() -> None:
@@ -276,6 +276,16 @@ SPEC_ERRORS: list[tuple[str, str, str]] = [  # (case, spec text, field path)
     ("envs is a list", "envs: [A]\n", "envs"),
     ("env name invalid", "envs: {1BAD: x}\n", "envs"),
     ("env value is a list", "envs: {A: [1]}\n", "envs.A"),
+    ("env name too long", f"envs: {{{'A' * 201}: x}}\n", "envs"),
+    ("negative cpus", "resources: {cpus: -1}\n", "resources.cpus"),
+    ("zero memory", "resources: {memory: 0}\n", "resources.memory"),
+    ("negative accelerators", "resources: {accelerators: 'A100:-1'}\n", "resources.accelerators"),
+    (
+        "fractional accelerators",
+        "resources: {accelerators: {T4: 0.5}}\n",
+        "resources.accelerators.T4",
+    ),
+    ("sim runtime over a year", "sim: {runtime_seconds: 1.0e+9}\n", "sim.runtime_seconds"),
     (
         "two accelerator types",
         "resources: {accelerators: {A100: 1, T4: 1}}\n",
@@ -373,6 +383,9 @@ _FIELD_NAMES = [
     *("cloud", "region", "zone", "cpus", "memory", "accelerators", "use_spot"),
     *("job_recovery", "strategy", "max_restarts_on_errors", "A100", "PATH"),
     *("runtime_seconds", "setup_seconds", "exit_code", "log_lines", "preempt_after_seconds"),
+    *("secrets", "max_duration", "max_pending", "launch_timeout", "grace_period"),
+    *("recover_on_exit_codes", "fail_on_exit_codes", "max_recoveries", "unreachable_timeout"),
+    "on_demand_after_preemptions",
 ]
 _yaml_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
@@ -394,6 +407,13 @@ def test_junk_never_raises_anything_but_spec_error(text: str) -> None:
         return
     assert job.tasks
     assert NAME_RE.fullmatch(job.name)
-    for task in job.tasks:
+    assert len(job.secrets) == len(job.tasks)
+    for task, secrets in zip(job.tasks, job.secrets, strict=True):
         assert task.num_nodes >= 1
         assert task.resources.recovery_strategy != job_pb2.RECOVERY_STRATEGY_UNSPECIFIED
+        assert not set(task.envs) & set(secrets)
+        assert not set(task.resources.recover_on_exit_codes) & set(
+            task.resources.fail_on_exit_codes
+        )
+    for _, value in job.timeouts.ListFields():
+        assert 0 < value <= 366 * 24 * 3600

@@ -1,49 +1,105 @@
 """Parse and validate a job spec: SkyPilot task YAML, the subset of SPEC §3.
 
 A spec is one or more YAML documents. Each document is one task; several form a
-chain run in order. A first document that holds only ``name`` names the whole job
-and is not a task. Empty documents (a trailing ``---``) are skipped.
+chain run in order. Empty documents (a trailing ``---``) are skipped. A first
+document that holds ``name`` and nothing but job-level keys (``max_pending``,
+``max_duration``, ``launch_timeout``, ``grace_period``) is the *header*: it names
+the whole job, sets its timeouts and is not a task.
 
 Accepted task fields (anything else is an error; a null value means "not set")::
 
     name: train-gpt              # lower-case letters, digits, '-'; starts with a letter; <= 63
-    envs: {EPOCHS: 3}            # scalars, stored as strings; null: must come with submission
+    envs: {EPOCHS: 3}            # names [A-Za-z_][A-Za-z0-9_]*, <= 200; values scalars, stored
+                                 # as strings; null: must come with the submission
+    secrets: {HF_TOKEN: null}    # like envs, but kept apart from the task (see below)
     setup: pip install -r req.txt
     run: python train.py         # a task without run succeeds at once (SPEC §6)
     workdir: ~/src
     num_nodes: 1                 # 1..1000
-    resources:                   # also: cloud, region, zone (strings)
-      cpus: 4+                   # string or number; so is memory
-      accelerators: {A100: 8}    # string, number, or a one-entry mapping -> "A100:8"
+    max_duration: 12h            # timeouts, SPEC §18 (durations below)
+    launch_timeout: 30m
+    grace_period: 30s
+    max_pending: 2h              # first document of the spec only (see "Job-level keys")
+    resources:                   # also: cloud, zone (strings)
+      region: us-east1           # one the backend offers, when the caller says which
+      cpus: 4+                   # a positive number, optionally followed by '+'
+      memory: 16GB+              # the same, in GB, or with a unit: K, M, G, T, P (+ 'B')
+      accelerators: {A100: 8}    # or A100:8, or A100 (count 1); counts are integers 1..1024
       use_spot: true
-      job_recovery: FAILOVER     # or {strategy: ..., max_restarts_on_errors: 3}
+      job_recovery: FAILOVER     # FAILOVER, EAGER_NEXT_REGION or NONE, or a mapping:
+        # strategy: FAILOVER
+        # max_restarts_on_errors: 3          # restarts after user code failed, >= 0
+        # recover_on_exit_codes: [137]       # treated like a preemption
+        # fail_on_exit_codes: [2, -9]        # fail at once, no restart
+        # max_recoveries: 10                 # >= 0; unset: unlimited
+        # on_demand_after_preemptions: 3     # >= 1; then relaunch on on-demand capacity
+        # unreachable_timeout: 10m           # unset: the backend's default
     sim: {runtime_seconds: 30}   # product extension for the sim backend; also setup_seconds,
                                  # exit_code, setup_exit_code, log_lines, preempt_after_seconds
+
+Values:
+- ``cpus``, ``memory`` and durations have at most nine digits either side of the
+  point; a bare ``memory`` number is in GB, as in SkyPilot.
+- A *duration* is a number of seconds, or parts from largest to smallest unit,
+  each at most once: ``d``, ``h``, ``m``, ``s``, ``ms`` (``12h``, ``1h30m``, ``500ms``);
+  it is > 0 and at most 366 days, and is stored in seconds.
+- An *exit code* is 1..255 (``exit(n)``) or -1..-64 (killed by signal N); 0 is
+  success and never listed. A code is in at most one of the two lists; each list
+  is stored sorted, without repeats. With ``strategy: NONE``, ``max_recoveries``
+  and ``on_demand_after_preemptions`` are errors: nothing is recovered.
+
+Job-level keys: ``max_pending`` (a job whose first task has not started by then
+fails) belongs to the whole job, so it is accepted only in the spec's first
+document: the header, or the first task when there is no header. The header's
+``max_duration`` bounds the whole job; its ``launch_timeout`` and
+``grace_period`` are the default of every task that sets none, and are copied
+onto those tasks. All four land in :attr:`JobSpec.timeouts`.
+
+Secrets (SPEC §14): a task's ``secrets`` plus the submission's extra secrets are
+in :attr:`JobSpec.secrets` (one map per task), never in the ``TaskSpec``, since
+everything that serializes a TaskSpec (GetJob, logs, the database) could leak
+them. A name is either an env or a secret, never both.
+
+Bounds (SPEC §19, limits in ``services.common.bounds``): the text is at most 1 MiB
+before and after alias expansion and nests at most 32 levels (``spec_yaml``); at
+most 1,000 tasks (``tasks``); per task, envs and secrets together (submission
+extras merged in) at most 1,000 names and 256 KiB of names plus values; the
+parsed job (every TaskSpec serialized, plus the secrets) at most 2 MiB
+(``tasks``), so that a job's assignment always fits a gRPC message. Messages
+quote at most 200 characters of the input.
 
 Invariants of the result: every task has ``resources`` set, with a concrete
 recovery strategy (EAGER_NEXT_REGION by default, as in SkyPilot) and
 ``num_nodes >= 1``; ``sim_json`` is compact sorted-key JSON, or "" without sim
-settings.
+settings; ``len(secrets) == len(tasks)``.
 
 Errors are :class:`SpecError` naming the offending field path. Paths start with
-``tasks[i].`` (``i`` counts tasks, not a name-only first document) only when the
-chain has more than one task, e.g. ``tasks[1].resources.cpus``; for a single task
-they are just ``resources.cpus``. The job name and ``name_override`` are ``name``;
-size and YAML syntax errors are ``spec_yaml``; an empty chain is ``tasks``.
+``tasks[i].`` (``i`` counts tasks, not the header) only when the chain has more
+than one task, e.g. ``tasks[1].resources.cpus``; for a single task they are just
+``resources.cpus``. The header's fields, the job name and ``name_override`` are
+bare (``name``, ``max_pending``); size and YAML syntax errors are ``spec_yaml``;
+an empty or oversized chain is ``tasks``.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import re
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeAlias
-
-import yaml
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 
 from managedjobs.v1 import job_pb2
+from services.common.bounds import (
+    MAX_ENV_BYTES,
+    MAX_ENV_KEYS,
+    MAX_INT32,
+    MAX_JOB_BYTES,
+    MAX_SPEC_BYTES,
+    MAX_TASKS,
+    quote,
+)
+from services.scheduler import spec_fields as f
+from services.scheduler.spec_fields import NAME_RE, SpecError
+from services.scheduler.spec_yaml import load_documents
 
 __all__ = [
     "MAX_SPEC_BYTES",
@@ -54,285 +110,194 @@ __all__ = [
     "resources_summary",
 ]
 
-# libyaml's loader where PyYAML has it: the same safe subset, several times faster.
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-MAX_SPEC_BYTES = 1024 * 1024
-NAME_RE = re.compile(r"[a-z][a-z0-9-]{0,62}")
-ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-MAX_NUM_NODES = 1000
-_INT32_MAX = 2**31 - 1
-_NAME_RULE = "use lower-case letters, digits and '-', start with a letter, at most 63 characters"
-
-RecoveryStrategy: TypeAlias = job_pb2.RecoveryStrategy.ValueType
-_STRATEGIES: dict[str, RecoveryStrategy] = {
-    "FAILOVER": job_pb2.RECOVERY_STRATEGY_FAILOVER,
-    "EAGER_NEXT_REGION": job_pb2.RECOVERY_STRATEGY_EAGER_NEXT_REGION,
-}
-DEFAULT_STRATEGY = job_pb2.RECOVERY_STRATEGY_EAGER_NEXT_REGION
-
-
-class SpecError(ValueError):
-    """A spec that can never run; ``field`` is the path of the offending field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
 
 @dataclass(frozen=True)
 class JobSpec:
-    """A validated job: its name and its chain of tasks, in order."""
+    """A validated job: its name, its chain of tasks in order, and what is kept apart.
+
+    Attributes:
+        name: The job's name.
+        tasks: The chain, in order.
+        secrets: One map per task (same order; empty when the task has none): the
+            task's secrets. Never part of a TaskSpec.
+        timeouts: Job-level timeouts (header document, or ``max_pending``).
+    """
 
     name: str
     tasks: list[job_pb2.TaskSpec]
+    secrets: list[dict[str, str]] = field(default_factory=list)
+    timeouts: job_pb2.JobTimeouts = field(default_factory=job_pb2.JobTimeouts)
 
 
-# A converter checks one YAML value found at a field path and returns it converted.
-Converter = Callable[[object, str], Any]
-
-
-def _join(path: str, key: str) -> str:
-    key = key or "''"  # an empty YAML key still needs a visible path
-    return f"{path}.{key}" if path else key
-
-
-# Names for YAML values in messages; exact types, so a bool is never an "integer".
-_KINDS: dict[type, str] = {
-    type(None): "null",
-    bool: "boolean",
-    int: "integer",
-    float: "number",
-    str: "string",
-    list: "list",
-    dict: "mapping",
+# Spec key -> field of TaskSpec / JobTimeouts, in seconds.
+_TIMEOUT_FIELDS = {
+    "max_pending": "max_pending_seconds",
+    "max_duration": "max_duration_seconds",
+    "launch_timeout": "launch_timeout_seconds",
+    "grace_period": "grace_period_seconds",
 }
+# Job-level values a task inherits when it sets none.
+_INHERITED = ("launch_timeout_seconds", "grace_period_seconds")
 
-
-def _kind(value: object) -> str:
-    return _KINDS.get(type(value), type(value).__name__)  # or date, datetime, bytes, set
-
-
-def _expected(what: str, value: object, path: str) -> SpecError:
-    return SpecError(path, f"expected {what}, got {_kind(value)}")
-
-
-def _string(value: object, path: str) -> str:
-    if not isinstance(value, str):
-        raise _expected("a string", value, path)
-    return value
-
-
-def _name(value: object, path: str) -> str:
-    name = _string(value, path)
-    if not NAME_RE.fullmatch(name):
-        raise SpecError(path, f"invalid name {name!r}: {_NAME_RULE}")
-    return name
-
-
-def _boolean(value: object, path: str) -> bool:
-    if not isinstance(value, bool):
-        raise _expected("true or false", value, path)
-    return value
-
-
-def _number(value: object, path: str) -> int | float:
-    # bool is an int in Python but never a number in a spec.
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _expected("a number", value, path)
-    if not math.isfinite(value):
-        raise SpecError(path, f"expected a finite number, got {value}")
-    return value
-
-
-def _non_negative(value: object, path: str) -> int | float:
-    number = _number(value, path)
-    if number < 0:
-        raise SpecError(path, f"must be at least 0, got {number}")
-    return number
-
-
-def _string_or_number(value: object, path: str) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return str(_number(value, path))
-    raise _expected("a string or number", value, path)
-
-
-def _integer(low: int, high: int) -> Converter:
-    def convert(value: object, path: str) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _expected("an integer", value, path)
-        if value < low:
-            raise SpecError(path, f"must be at least {low}, got {value}")
-        if value > high:
-            raise SpecError(path, f"must be at most {high}, got {value}")
-        return value
-
-    return convert
-
-
-def _string_list(value: object, path: str) -> list[str]:
-    if not isinstance(value, list):
-        raise _expected("a list of strings", value, path)
-    return [_string(item, f"{path}[{i}]") for i, item in enumerate(value)]
-
-
-def _accelerators(value: object, path: str) -> str:
-    if not isinstance(value, dict):
-        return _string_or_number(value, path)
-    if len(value) != 1:
-        raise SpecError(path, "give exactly one accelerator type, e.g. {A100: 8}")
-    ((raw_kind, raw_count),) = value.items()
-    kind = _string(raw_kind, path)
-    if not kind:
-        raise SpecError(path, "the accelerator type is empty")
-    count = _number(raw_count, _join(path, kind))
-    if count <= 0:
-        raise SpecError(_join(path, kind), f"must be greater than 0, got {count}")
-    return f"{kind}:{count}"
-
-
-def _strategy(value: object, path: str) -> RecoveryStrategy:
-    name = _string(value, path)
-    strategy = _STRATEGIES.get(name.upper())
-    if strategy is None:
-        allowed = ", ".join(_STRATEGIES)
-        raise SpecError(path, f"unknown recovery strategy {name!r} (allowed: {allowed})")
-    return strategy
-
-
-_RECOVERY_FIELDS: dict[str, Converter] = {
-    "strategy": _strategy,
-    "max_restarts_on_errors": _integer(0, _INT32_MAX),
-}
-
-
-def _job_recovery(value: object, path: str) -> tuple[RecoveryStrategy, int]:
-    if isinstance(value, str):
-        return _strategy(value, path), 0
-    if not isinstance(value, dict):
-        raise _expected("a strategy name or a mapping", value, path)
-    fields = _fields(value, _RECOVERY_FIELDS, path)
-    return fields.get("strategy", DEFAULT_STRATEGY), fields.get("max_restarts_on_errors", 0)
-
-
-_RESOURCES_FIELDS: dict[str, Converter] = {
-    "cloud": _string,
-    "region": _string,
-    "zone": _string,
-    "cpus": _string_or_number,
-    "memory": _string_or_number,
-    "accelerators": _accelerators,
-    "use_spot": _boolean,
-    "job_recovery": _job_recovery,
-}
-
-
-def _resources(value: object, path: str) -> job_pb2.Resources:
-    fields = _fields(value, _RESOURCES_FIELDS, path)
-    strategy, max_restarts = fields.pop("job_recovery", (DEFAULT_STRATEGY, 0))
-    return job_pb2.Resources(
-        **fields, recovery_strategy=strategy, max_restarts_on_errors=max_restarts
-    )
-
-
-def _env_value(value: object, path: str) -> str | None:
-    if value is None or isinstance(value, str):
-        return value
-    if isinstance(value, bool):
-        return "true" if value else "false"  # as written in YAML, not Python's "True"
-    if isinstance(value, int | float):
-        return str(value)
-    raise _expected("a string, number or boolean", value, path)
-
-
-def _envs(value: object, path: str) -> dict[str, str | None]:
-    if not isinstance(value, dict):
-        raise _expected("a mapping", value, path)
-    envs: dict[str, str | None] = {}
-    for key, item in value.items():
-        if not isinstance(key, str) or not ENV_NAME_RE.fullmatch(key):
-            raise SpecError(path, f"invalid environment variable name {key!r}")
-        envs[key] = _env_value(item, _join(path, key))
-    return envs
-
-
-_SIM_FIELDS: dict[str, Converter] = {
-    "runtime_seconds": _non_negative,
-    "setup_seconds": _non_negative,
-    "preempt_after_seconds": _non_negative,
-    "exit_code": _integer(-_INT32_MAX - 1, _INT32_MAX),
-    "setup_exit_code": _integer(-_INT32_MAX - 1, _INT32_MAX),
-    "log_lines": _string_list,
+_HEADER_FIELDS: dict[str, f.Converter] = {
+    "name": f.name,
+    **{key: f.duration for key in _TIMEOUT_FIELDS},
 }
 
 
 def _sim(value: object, path: str) -> str:
-    fields = _fields(value, _SIM_FIELDS, path)
-    return json.dumps(fields, sort_keys=True, separators=(",", ":")) if fields else ""
+    converted = f.fields(value, _SIM_FIELDS, path)
+    return json.dumps(converted, sort_keys=True, separators=(",", ":")) if converted else ""
 
 
-_TASK_FIELDS: dict[str, Converter] = {
-    "name": _name,
-    "envs": _envs,
-    "setup": _string,
-    "run": _string,
-    "workdir": _string,
-    "num_nodes": _integer(1, MAX_NUM_NODES),
-    "resources": _resources,
+_SIM_FIELDS: dict[str, f.Converter] = {
+    "runtime_seconds": f.seconds,
+    "setup_seconds": f.seconds,
+    "preempt_after_seconds": f.seconds,
+    "exit_code": f.integer(-MAX_INT32 - 1, MAX_INT32),
+    "setup_exit_code": f.integer(-MAX_INT32 - 1, MAX_INT32),
+    "log_lines": f.string_list,
+}
+
+_TASK_FIELDS: dict[str, f.Converter] = {
+    "name": f.name,
+    "envs": f.variables,
+    "secrets": f.variables,
+    "setup": f.string,
+    "run": f.string,
+    "workdir": f.string,
+    "num_nodes": f.integer(1, f.MAX_NUM_NODES),
+    "resources": f.resources,
     "sim": _sim,
+    **{key: f.duration for key in _TIMEOUT_FIELDS},
 }
 
 
-def _fields(value: object, table: Mapping[str, Converter], path: str) -> dict[str, Any]:
-    """Converts a mapping field by field; unknown keys are errors, null values are unset."""
-    if not isinstance(value, dict):
-        raise _expected("a mapping", value, path)
-    fields: dict[str, Any] = {}
-    for key, item in value.items():
-        field = _join(path, str(key))
-        convert = table.get(key) if isinstance(key, str) else None
-        if convert is None:
-            raise SpecError(field, f"unknown field (allowed: {', '.join(table)})")
-        if item is not None:
-            fields[key] = convert(item, field)
-    return fields
+def _is_header(doc: object) -> bool:
+    return isinstance(doc, dict) and "name" in doc and all(key in _HEADER_FIELDS for key in doc)
 
 
-def _task(doc: object, path: str, extra_envs: Mapping[str, str]) -> job_pb2.TaskSpec:
-    if not isinstance(doc, dict):
-        raise _expected("a mapping of task fields", doc, path or "spec_yaml")
-    fields = _fields(doc, _TASK_FIELDS, path)
-    envs: dict[str, str] = {}
-    for key, env_value in {**fields.pop("envs", {}), **extra_envs}.items():
-        if env_value is None:
-            raise SpecError(_join(path, f"envs.{key}"), "no value: set it here or at submission")
-        envs[key] = env_value
-    if "sim" in fields:
-        fields["sim_json"] = fields.pop("sim")
-    fields.setdefault("num_nodes", 1)
-    fields.setdefault("resources", _resources({}, _join(path, "resources")))
-    return job_pb2.TaskSpec(envs=envs, **fields)
+def _map_bytes(variables: Mapping[str, str]) -> int:
+    """Serialized size of a string map, as it travels in a message."""
+    return job_pb2.TaskSpec(envs=variables).ByteSize() if variables else 0
 
 
-def _load_documents(spec_yaml: str) -> list[object]:
-    if len(spec_yaml.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
-        raise SpecError("spec_yaml", f"the spec is larger than {MAX_SPEC_BYTES} bytes")
-    try:
-        docs = list(yaml.load_all(spec_yaml, Loader=_LOADER))
-    except yaml.MarkedYAMLError as err:
-        where = f" at line {err.problem_mark.line + 1}" if err.problem_mark else ""
-        problem = err.problem or err.context or "syntax error"
-        raise SpecError("spec_yaml", f"invalid YAML{where}: {problem}") from None
-    except RecursionError:
-        raise SpecError("spec_yaml", "invalid YAML: nested too deeply") from None
-    except (yaml.YAMLError, ValueError, OverflowError) as err:
-        # PyYAML raises plain ValueError for impossible dates such as 2024-13-01.
-        first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise SpecError("spec_yaml", f"invalid YAML: {first_line}") from None
-    return [doc for doc in docs if doc is not None]
+@dataclass
+class _Chain:
+    """What every task of one submission shares while the chain is built."""
+
+    extra_envs: dict[str, str]
+    extra_secrets: dict[str, str]
+    known_regions: Collection[str] | None
+    timeouts: job_pb2.JobTimeouts
+    chained: bool
+    # Whether the first task is the spec's first document (no header): it may set max_pending.
+    headerless: bool
+    job_bytes: int = 0
+    # The header's timeouts that tasks setting none take over (TaskSpec field -> seconds).
+    inherited: dict[str, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inherited = {
+            name: getattr(self.timeouts, name)
+            for name in _INHERITED
+            if self.timeouts.HasField(name)  # type: ignore[arg-type]
+        }
+
+    def path(self, i: int) -> str:
+        return f"tasks[{i}]" if self.chained else ""
+
+    def task(self, doc: object, i: int) -> tuple[job_pb2.TaskSpec, dict[str, str]]:
+        path = self.path(i)
+        if not isinstance(doc, dict):
+            raise f.expected("a mapping of task fields", doc, path or "spec_yaml")
+        converted = f.fields(doc, _TASK_FIELDS, path)
+        envs = _merged(converted.pop("envs", {}), self.extra_envs, f.join(path, "envs"))
+        secrets = _merged(converted.pop("secrets", {}), self.extra_secrets, f.join(path, "secrets"))
+        _check_variables(envs, secrets, path)
+        if "max_pending" in converted:
+            if i > 0 or not self.headerless:
+                raise SpecError(
+                    f.join(path, "max_pending"),
+                    "max_pending applies to the whole job: set it in the spec's first document"
+                    + ("" if self.headerless else ", the one that names the job"),
+                )
+            self.timeouts.max_pending_seconds = converted.pop("max_pending")
+        for key in _TIMEOUT_FIELDS.keys() & converted.keys():
+            converted[_TIMEOUT_FIELDS[key]] = converted.pop(key)
+        for proto_field, value in self.inherited.items():
+            converted.setdefault(proto_field, value)
+        if "sim" in converted:
+            converted["sim_json"] = converted.pop("sim")
+        converted.setdefault("num_nodes", 1)
+        if "resources" not in converted:
+            converted["resources"] = job_pb2.Resources(recovery_strategy=f.DEFAULT_STRATEGY)
+        self._check_region(converted["resources"].region, f.join(path, "resources.region"))
+        task = job_pb2.TaskSpec(envs=envs, **converted)
+        self.job_bytes += task.ByteSize() + _map_bytes(secrets)
+        if self.job_bytes > MAX_JOB_BYTES:
+            raise SpecError(
+                "tasks",
+                f"the job is larger than {MAX_JOB_BYTES} bytes once parsed (reached at task {i}, "
+                "counting envs and secrets merged into every task)",
+            )
+        return task, secrets
+
+    def _check_region(self, region: str, path: str) -> None:
+        if not region or self.known_regions is None or region in self.known_regions:
+            return
+        known = sorted(self.known_regions)
+        shown = ", ".join(known[:5]) + (f" and {len(known) - 5} more" if len(known) > 5 else "")
+        raise SpecError(path, f"unknown region {quote(region)} (known: {shown or 'none'})")
+
+
+def _merged(
+    spec_values: Mapping[str, str | None], extra: Mapping[str, str], path: str
+) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for key, value in {**spec_values, **extra}.items():
+        if value is None:
+            raise SpecError(f.join(path, key), "no value: set it here or at submission")
+        merged[key] = value
+    return merged
+
+
+def _check_variables(envs: Mapping[str, str], secrets: Mapping[str, str], path: str) -> None:
+    if not secrets and not envs:
+        return
+    clash = envs.keys() & secrets.keys()
+    if clash:
+        key = min(clash)
+        raise SpecError(
+            f.join(path, f"secrets.{key}"), "also in envs: a name is either an env or a secret"
+        )
+    size = 0
+    for name, variables in (("envs", envs), ("secrets", secrets)):
+        where = f.join(path, name)
+        if len(envs) + (len(secrets) if name == "secrets" else 0) > MAX_ENV_KEYS:
+            raise SpecError(
+                where,
+                f"{len(envs) + len(secrets)} names in envs and secrets (submission's included); "
+                f"at most {MAX_ENV_KEYS} per task",
+            )
+        for key, value in variables.items():
+            size += len(key.encode("utf-8", "surrogatepass"))
+            size += len(value.encode("utf-8", "surrogatepass"))
+        if size > MAX_ENV_BYTES:
+            raise SpecError(
+                where,
+                f"envs and secrets (submission's included) hold more than {MAX_ENV_BYTES} bytes "
+                "of names and values; at most that per task",
+            )
+
+
+def _extras(values: Mapping[str, str] | None, path: str) -> dict[str, str]:
+    if not values:
+        return {}
+    extra = dict(values or {})
+    for key in extra:
+        f.check_variable_name(key, path)
+    return extra
 
 
 def parse_job_spec(
@@ -340,42 +305,68 @@ def parse_job_spec(
     *,
     name_override: str = "",
     extra_envs: Mapping[str, str] | None = None,
+    extra_secrets: Mapping[str, str] | None = None,
+    known_regions: Collection[str] | None = None,
 ) -> JobSpec:
-    """Parses and validates a job spec (SPEC §3).
+    """Parses and validates a job spec (SPEC §3, §14, §18, §19).
 
     Args:
         spec_yaml: One or more YAML documents; see the module docstring.
         name_override: When non-empty, the job's name instead of the spec's.
         extra_envs: Merged into every task's envs, overriding the spec's values.
+        extra_secrets: Merged into every task's secrets, overriding the spec's values.
+        known_regions: When given, the regions a task may name in ``resources.region``
+            (the regions the backend offers); any other is an error.
 
     Returns:
-        The job's name (the override, else the name-only first document's, else the
-        first task's, else "job") and its tasks. A task without a name takes the
-        job's name, or ``task-<i>`` when nothing in the submission has a name.
+        The job's name (the override, else the header's, else the first task's, else
+        "job"), its tasks, their secrets and the job's timeouts. A task without a name
+        takes the job's name, or ``task-<i>`` when nothing in the submission has a name.
 
     Raises:
         SpecError: The spec is invalid; ``field`` names the offending field path.
     """
     if name_override:
-        _name(name_override, "name")
-    docs = _load_documents(spec_yaml)
-    header_name = ""
-    first = docs[0] if docs else None
-    if isinstance(first, dict) and set(first) == {"name"}:
-        docs.pop(0)
-        header_name = "" if first["name"] is None else _name(first["name"], "name")
+        f.name(name_override, "name")
+    extra_envs = _extras(extra_envs, "envs")
+    extra_secrets = _extras(extra_secrets, "secrets")
+    docs = load_documents(spec_yaml)
+    has_header = bool(docs) and _is_header(docs[0])
+    header = f.fields(docs.pop(0), _HEADER_FIELDS, "") if has_header else {}
     if not docs:
-        raise SpecError("tasks", "a job needs at least one task")
-    extra = dict(extra_envs or {})
-    for key in extra:
-        if not ENV_NAME_RE.fullmatch(key):
-            raise SpecError("envs", f"invalid environment variable name {key!r}")
-    chained = len(docs) > 1
-    tasks = [_task(doc, f"tasks[{i}]" if chained else "", extra) for i, doc in enumerate(docs)]
-    job_name = name_override or header_name or tasks[0].name
+        hint = " (the only document names the job; add `run` to make it a task)"
+        raise SpecError("tasks", "a job needs at least one task" + (hint if has_header else ""))
+    if len(docs) > MAX_TASKS:
+        raise SpecError("tasks", f"{len(docs)} tasks; a chain has at most {MAX_TASKS}")
+    # Every task carries the extras: refuse before building a chain that cannot fit.
+    extras_bytes = _map_bytes(extra_envs) + _map_bytes(extra_secrets)
+    if extras_bytes * len(docs) > MAX_JOB_BYTES:
+        raise SpecError(
+            "tasks",
+            f"the submission's envs and secrets ({extras_bytes} bytes) merged into each of "
+            f"{len(docs)} tasks exceed the job's {MAX_JOB_BYTES} bytes",
+        )
+    job_name = str(header.pop("name", ""))
+    timeouts = job_pb2.JobTimeouts(**{_TIMEOUT_FIELDS[key]: value for key, value in header.items()})
+    chain = _Chain(
+        extra_envs=extra_envs,
+        extra_secrets=extra_secrets,
+        known_regions=known_regions,
+        timeouts=timeouts,
+        chained=len(docs) > 1,
+        headerless=not has_header,
+    )
+    built = [chain.task(doc, i) for i, doc in enumerate(docs)]
+    tasks = [task for task, _ in built]
+    job_name = name_override or job_name or tasks[0].name
     for i, task in enumerate(tasks):
         task.name = task.name or job_name or f"task-{i}"
-    return JobSpec(name=job_name or "job", tasks=tasks)
+    return JobSpec(
+        name=job_name or "job",
+        tasks=tasks,
+        secrets=[secrets for _, secrets in built],
+        timeouts=timeouts,
+    )
 
 
 def resources_summary(spec: job_pb2.TaskSpec) -> str:

@@ -109,6 +109,8 @@ class _RecoveryStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reco
     RECOVERY_STRATEGY_UNSPECIFIED: _RecoveryStrategy.ValueType  # 0
     RECOVERY_STRATEGY_FAILOVER: _RecoveryStrategy.ValueType  # 1
     RECOVERY_STRATEGY_EAGER_NEXT_REGION: _RecoveryStrategy.ValueType  # 2
+    RECOVERY_STRATEGY_NONE: _RecoveryStrategy.ValueType  # 3
+    """No recovery: a preemption ends the job FAILED_NO_RESOURCE (SPEC §18)."""
 
 class RecoveryStrategy(_RecoveryStrategy, metaclass=_RecoveryStrategyEnumTypeWrapper):
     """Recovery strategy of a task (SPEC §7)."""
@@ -116,6 +118,8 @@ class RecoveryStrategy(_RecoveryStrategy, metaclass=_RecoveryStrategyEnumTypeWra
 RECOVERY_STRATEGY_UNSPECIFIED: RecoveryStrategy.ValueType  # 0
 RECOVERY_STRATEGY_FAILOVER: RecoveryStrategy.ValueType  # 1
 RECOVERY_STRATEGY_EAGER_NEXT_REGION: RecoveryStrategy.ValueType  # 2
+RECOVERY_STRATEGY_NONE: RecoveryStrategy.ValueType  # 3
+"""No recovery: a preemption ends the job FAILED_NO_RESOURCE (SPEC §18)."""
 Global___RecoveryStrategy: _TypeAlias = RecoveryStrategy  # noqa: Y015
 
 @_typing.final
@@ -133,6 +137,11 @@ class Resources(_message.Message):
     USE_SPOT_FIELD_NUMBER: _builtins.int
     RECOVERY_STRATEGY_FIELD_NUMBER: _builtins.int
     MAX_RESTARTS_ON_ERRORS_FIELD_NUMBER: _builtins.int
+    RECOVER_ON_EXIT_CODES_FIELD_NUMBER: _builtins.int
+    FAIL_ON_EXIT_CODES_FIELD_NUMBER: _builtins.int
+    MAX_RECOVERIES_FIELD_NUMBER: _builtins.int
+    ON_DEMAND_AFTER_PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    UNREACHABLE_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     cloud: _builtins.str
     region: _builtins.str
     zone: _builtins.str
@@ -142,6 +151,26 @@ class Resources(_message.Message):
     use_spot: _builtins.bool
     recovery_strategy: Global___RecoveryStrategy.ValueType
     max_restarts_on_errors: _builtins.int
+    max_recoveries: _builtins.int
+    """Preemption recoveries allowed for the task; unset: unlimited."""
+    on_demand_after_preemptions: _builtins.int
+    """Relaunch on on-demand capacity once the task was preempted this many times (>= 1);
+    unset: never switch.
+    """
+    unreachable_timeout_seconds: _builtins.float
+    """How long a task may stay unreachable before it is recovered; unset: the backend's default."""
+    @_builtins.property
+    def recover_on_exit_codes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Recovery policy (SPEC §18), from `job_recovery`. Exit codes are 1..255, or -N
+        for "killed by signal N" (N up to 64); each list is sorted, without repeats,
+        and no code is in both.
+        Exit codes of the run treated like a preemption: recovered, no restart consumed.
+        """
+
+    @_builtins.property
+    def fail_on_exit_codes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Exit codes of the run that fail the task at once, without a restart."""
+
     def __init__(
         self,
         *,
@@ -154,12 +183,28 @@ class Resources(_message.Message):
         use_spot: _builtins.bool = ...,
         recovery_strategy: Global___RecoveryStrategy.ValueType = ...,
         max_restarts_on_errors: _builtins.int = ...,
+        recover_on_exit_codes: _abc.Iterable[_builtins.int] | None = ...,
+        fail_on_exit_codes: _abc.Iterable[_builtins.int] | None = ...,
+        max_recoveries: _builtins.int | None = ...,
+        on_demand_after_preemptions: _builtins.int | None = ...,
+        unreachable_timeout_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_recoveries", b"_max_recoveries", "_on_demand_after_preemptions", b"_on_demand_after_preemptions", "_unreachable_timeout_seconds", b"_unreachable_timeout_seconds", "max_recoveries", b"max_recoveries", "on_demand_after_preemptions", b"on_demand_after_preemptions", "unreachable_timeout_seconds", b"unreachable_timeout_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerators", b"accelerators", "cloud", b"cloud", "cpus", b"cpus", "max_restarts_on_errors", b"max_restarts_on_errors", "memory", b"memory", "recovery_strategy", b"recovery_strategy", "region", b"region", "use_spot", b"use_spot", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_recoveries", b"_max_recoveries", "_on_demand_after_preemptions", b"_on_demand_after_preemptions", "_unreachable_timeout_seconds", b"_unreachable_timeout_seconds", "accelerators", b"accelerators", "cloud", b"cloud", "cpus", b"cpus", "fail_on_exit_codes", b"fail_on_exit_codes", "max_recoveries", b"max_recoveries", "max_restarts_on_errors", b"max_restarts_on_errors", "memory", b"memory", "on_demand_after_preemptions", b"on_demand_after_preemptions", "recover_on_exit_codes", b"recover_on_exit_codes", "recovery_strategy", b"recovery_strategy", "region", b"region", "unreachable_timeout_seconds", b"unreachable_timeout_seconds", "use_spot", b"use_spot", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_recoveries: _TypeAlias = _typing.Literal["max_recoveries"]  # noqa: Y015
+    _WhichOneofArgType__max_recoveries: _TypeAlias = _typing.Literal["_max_recoveries", b"_max_recoveries"]  # noqa: Y015
+    _WhichOneofReturnType__on_demand_after_preemptions: _TypeAlias = _typing.Literal["on_demand_after_preemptions"]  # noqa: Y015
+    _WhichOneofArgType__on_demand_after_preemptions: _TypeAlias = _typing.Literal["_on_demand_after_preemptions", b"_on_demand_after_preemptions"]  # noqa: Y015
+    _WhichOneofReturnType__unreachable_timeout_seconds: _TypeAlias = _typing.Literal["unreachable_timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__unreachable_timeout_seconds: _TypeAlias = _typing.Literal["_unreachable_timeout_seconds", b"_unreachable_timeout_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_recoveries) -> _WhichOneofReturnType__max_recoveries | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__on_demand_after_preemptions) -> _WhichOneofReturnType__on_demand_after_preemptions | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__unreachable_timeout_seconds) -> _WhichOneofReturnType__unreachable_timeout_seconds | None: ...
 
 Global___Resources: _TypeAlias = Resources  # noqa: Y015
 
@@ -197,6 +242,9 @@ class TaskSpec(_message.Message):
     NUM_NODES_FIELD_NUMBER: _builtins.int
     RESOURCES_FIELD_NUMBER: _builtins.int
     SIM_JSON_FIELD_NUMBER: _builtins.int
+    MAX_DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    LAUNCH_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    GRACE_PERIOD_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     setup: _builtins.str
     run: _builtins.str
@@ -204,6 +252,19 @@ class TaskSpec(_message.Message):
     num_nodes: _builtins.int
     sim_json: _builtins.str
     """Fields read by the sim backend (runtime, exit codes, log lines), as JSON."""
+    max_duration_seconds: _builtins.float
+    """Timeouts of this task (SPEC §18), in seconds, each > 0; unset: none (or the default).
+    Wall-clock time since the task first started; past it the task is stopped gracefully
+    and the job ends FAILED ("max_duration exceeded").
+    """
+    launch_timeout_seconds: _builtins.float
+    """How long launch retries go on before FAILED_NO_RESOURCE; the task's own value, else
+    the job's (JobTimeouts); unset: retries never end.
+    """
+    grace_period_seconds: _builtins.float
+    """Time between SIGTERM and SIGKILL on a graceful stop; the task's own value, else the
+    job's; unset: the default (30 s).
+    """
     @_builtins.property
     def envs(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
@@ -219,14 +280,79 @@ class TaskSpec(_message.Message):
         num_nodes: _builtins.int = ...,
         resources: Global___Resources | None = ...,
         sim_json: _builtins.str = ...,
+        max_duration_seconds: _builtins.float | None = ...,
+        launch_timeout_seconds: _builtins.float | None = ...,
+        grace_period_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_grace_period_seconds", b"_grace_period_seconds", "_launch_timeout_seconds", b"_launch_timeout_seconds", "_max_duration_seconds", b"_max_duration_seconds", "grace_period_seconds", b"grace_period_seconds", "launch_timeout_seconds", b"launch_timeout_seconds", "max_duration_seconds", b"max_duration_seconds", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "name", b"name", "num_nodes", b"num_nodes", "resources", b"resources", "run", b"run", "setup", b"setup", "sim_json", b"sim_json", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grace_period_seconds", b"_grace_period_seconds", "_launch_timeout_seconds", b"_launch_timeout_seconds", "_max_duration_seconds", b"_max_duration_seconds", "envs", b"envs", "grace_period_seconds", b"grace_period_seconds", "launch_timeout_seconds", b"launch_timeout_seconds", "max_duration_seconds", b"max_duration_seconds", "name", b"name", "num_nodes", b"num_nodes", "resources", b"resources", "run", b"run", "setup", b"setup", "sim_json", b"sim_json", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__grace_period_seconds: _TypeAlias = _typing.Literal["grace_period_seconds"]  # noqa: Y015
+    _WhichOneofArgType__grace_period_seconds: _TypeAlias = _typing.Literal["_grace_period_seconds", b"_grace_period_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__launch_timeout_seconds: _TypeAlias = _typing.Literal["launch_timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__launch_timeout_seconds: _TypeAlias = _typing.Literal["_launch_timeout_seconds", b"_launch_timeout_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_duration_seconds: _TypeAlias = _typing.Literal["max_duration_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_duration_seconds: _TypeAlias = _typing.Literal["_max_duration_seconds", b"_max_duration_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__grace_period_seconds) -> _WhichOneofReturnType__grace_period_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__launch_timeout_seconds) -> _WhichOneofReturnType__launch_timeout_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_duration_seconds) -> _WhichOneofReturnType__max_duration_seconds | None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class JobTimeouts(_message.Message):
+    """Timeouts of a whole job (SPEC §18), in seconds, each > 0 and optional."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_PENDING_SECONDS_FIELD_NUMBER: _builtins.int
+    MAX_DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    LAUNCH_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    GRACE_PERIOD_SECONDS_FIELD_NUMBER: _builtins.int
+    max_pending_seconds: _builtins.float
+    """A job whose first task has not started by then ends FAILED_NO_RESOURCE."""
+    max_duration_seconds: _builtins.float
+    """Wall-clock time since the job's first task first started; past it the current task
+    is stopped gracefully and the job ends FAILED ("max_duration exceeded").
+    """
+    launch_timeout_seconds: _builtins.float
+    """Default launch_timeout of every task that sets none (already applied to TaskSpec)."""
+    grace_period_seconds: _builtins.float
+    """Default grace_period of every task that sets none (already applied to TaskSpec)."""
+    def __init__(
+        self,
+        *,
+        max_pending_seconds: _builtins.float | None = ...,
+        max_duration_seconds: _builtins.float | None = ...,
+        launch_timeout_seconds: _builtins.float | None = ...,
+        grace_period_seconds: _builtins.float | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_grace_period_seconds", b"_grace_period_seconds", "_launch_timeout_seconds", b"_launch_timeout_seconds", "_max_duration_seconds", b"_max_duration_seconds", "_max_pending_seconds", b"_max_pending_seconds", "grace_period_seconds", b"grace_period_seconds", "launch_timeout_seconds", b"launch_timeout_seconds", "max_duration_seconds", b"max_duration_seconds", "max_pending_seconds", b"max_pending_seconds"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_grace_period_seconds", b"_grace_period_seconds", "_launch_timeout_seconds", b"_launch_timeout_seconds", "_max_duration_seconds", b"_max_duration_seconds", "_max_pending_seconds", b"_max_pending_seconds", "grace_period_seconds", b"grace_period_seconds", "launch_timeout_seconds", b"launch_timeout_seconds", "max_duration_seconds", b"max_duration_seconds", "max_pending_seconds", b"max_pending_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__grace_period_seconds: _TypeAlias = _typing.Literal["grace_period_seconds"]  # noqa: Y015
+    _WhichOneofArgType__grace_period_seconds: _TypeAlias = _typing.Literal["_grace_period_seconds", b"_grace_period_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__launch_timeout_seconds: _TypeAlias = _typing.Literal["launch_timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__launch_timeout_seconds: _TypeAlias = _typing.Literal["_launch_timeout_seconds", b"_launch_timeout_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_duration_seconds: _TypeAlias = _typing.Literal["max_duration_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_duration_seconds: _TypeAlias = _typing.Literal["_max_duration_seconds", b"_max_duration_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__max_pending_seconds: _TypeAlias = _typing.Literal["max_pending_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_pending_seconds: _TypeAlias = _typing.Literal["_max_pending_seconds", b"_max_pending_seconds"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__grace_period_seconds) -> _WhichOneofReturnType__grace_period_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__launch_timeout_seconds) -> _WhichOneofReturnType__launch_timeout_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_duration_seconds) -> _WhichOneofReturnType__max_duration_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_pending_seconds) -> _WhichOneofReturnType__max_pending_seconds | None: ...
+
+Global___JobTimeouts: _TypeAlias = JobTimeouts  # noqa: Y015
 
 @_typing.final
 class Task(_message.Message):
@@ -315,6 +441,7 @@ class Job(_message.Message):
     CURRENT_TASK_ID_FIELD_NUMBER: _builtins.int
     WAIT_REASON_FIELD_NUMBER: _builtins.int
     CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
+    TIMEOUTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     name: _builtins.str
     user: _builtins.str
@@ -338,6 +465,10 @@ class Job(_message.Message):
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def end_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def timeouts(self) -> Global___JobTimeouts:
+        """Job-level timeouts from the spec's header document or max_pending (SPEC §18)."""
+
     def __init__(
         self,
         *,
@@ -358,10 +489,11 @@ class Job(_message.Message):
         current_task_id: _builtins.int = ...,
         wait_reason: _builtins.str = ...,
         cancel_requested: _builtins.bool = ...,
+        timeouts: Global___JobTimeouts | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time", "submit_time", b"submit_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time", "submit_time", b"submit_time", "timeouts", b"timeouts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "controller_id", b"controller_id", "current_task_id", b"current_task_id", "end_time", b"end_time", "failure_reason", b"failure_reason", "job_id", b"job_id", "name", b"name", "pool", b"pool", "priority", b"priority", "recovery_count", b"recovery_count", "schedule_state", b"schedule_state", "start_time", b"start_time", "status", b"status", "submit_time", b"submit_time", "tasks", b"tasks", "user", b"user", "wait_reason", b"wait_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "controller_id", b"controller_id", "current_task_id", b"current_task_id", "end_time", b"end_time", "failure_reason", b"failure_reason", "job_id", b"job_id", "name", b"name", "pool", b"pool", "priority", b"priority", "recovery_count", b"recovery_count", "schedule_state", b"schedule_state", "start_time", b"start_time", "status", b"status", "submit_time", b"submit_time", "tasks", b"tasks", "timeouts", b"timeouts", "user", b"user", "wait_reason", b"wait_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,141 @@
+"""Bounds on every input (SPEC §19): the shared limits and the small validators for them.
+
+Every service checks what it receives against these limits before acting on it,
+so no request can make a service allocate, store or send more than the limits
+allow. Two rules hold for every refusal:
+
+- it names the offending field (:class:`BoundsError.field`), and
+- its message quotes at most :data:`QUOTE_LIMIT` characters of the input
+  (:func:`quote`), so a 1 MB value is never echoed back or written to a log.
+
+Identifiers that name people and processes (users, pools, controller ids) are at
+most 64 characters of ``[a-z0-9._-]``; job and task names follow the stricter
+rule in the spec parser (SPEC §3).
+"""
+
+from __future__ import annotations
+
+import re
+import reprlib
+
+__all__ = [
+    "MAX_ENV_BYTES",
+    "MAX_ENV_KEYS",
+    "MAX_IDENTIFIER_CHARS",
+    "MAX_INT32",
+    "MAX_INT64",
+    "MAX_JOB_BYTES",
+    "MAX_SPEC_BYTES",
+    "MAX_TASKS",
+    "MAX_YAML_DEPTH",
+    "QUOTE_LIMIT",
+    "BoundsError",
+    "check_controller_id",
+    "check_identifier",
+    "check_pool",
+    "check_user",
+    "quote",
+]
+
+# An error message quotes at most this many characters of the input.
+QUOTE_LIMIT = 200
+
+MAX_INT32 = 2**31 - 1
+MAX_INT64 = 2**63 - 1
+
+# A job spec's YAML text, in UTF-8 bytes, before and after alias expansion.
+MAX_SPEC_BYTES = 1024 * 1024
+# Nesting of YAML collections in a spec (a task document's mapping is level 1).
+MAX_YAML_DEPTH = 32
+# Tasks in one chain.
+MAX_TASKS = 1000
+# Per task: envs and secrets together (request extras included), keys and UTF-8 bytes
+# of keys plus values.
+MAX_ENV_KEYS = 1000
+MAX_ENV_BYTES = 256 * 1024
+# A parsed job (every TaskSpec serialized, plus its secrets). Half the 4 MiB gRPC
+# message limit, so an assignment carrying the whole job plus its envelope always fits.
+MAX_JOB_BYTES = 2 * 1024 * 1024
+
+MAX_IDENTIFIER_CHARS = 64
+_IDENTIFIER_RE = re.compile(r"[a-z0-9._-]+")
+_IDENTIFIER_RULE = f"use at most {MAX_IDENTIFIER_CHARS} characters of a-z, 0-9, '.', '_', '-'"
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = QUOTE_LIMIT
+_REPR.maxother = QUOTE_LIMIT
+_REPR.maxlevel = 3
+
+
+class BoundsError(ValueError):
+    """An input outside its bounds; ``field`` is the path of the offending field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
+    """Renders a piece of input for an error message, at most about ``limit`` characters.
+
+    Strings are shown as Python literals of their first ``limit`` characters; longer
+    ones end in ``...`` and their length. Other values are shown by a bounded repr,
+    so quoting a huge list costs no more than quoting a short one.
+
+    Args:
+        value: The offending input.
+        limit: Characters of the input to show.
+
+    Returns:
+        The rendering, e.g. ``'Bad_Name'`` or ``'xxxx...' (1,048,576 characters)``.
+    """
+    if isinstance(value, str):
+        text = repr(value[:limit])
+        # Escapes (\x00 is four characters) must not lengthen the quote past the limit.
+        clipped = len(text) > limit + 2
+        if clipped:
+            text = text[: limit + 1] + text[0]
+        if clipped or len(value) > limit:
+            return f"{text[:-1]}...{text[-1]} ({len(value):,} characters)"
+        return text
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+def check_identifier(value: str, field: str, *, allow_empty: bool = False) -> str:
+    """Checks a user, pool or controller id: at most 64 characters of ``[a-z0-9._-]``.
+
+    Args:
+        value: The identifier.
+        field: The field path to name in the error.
+        allow_empty: Whether "" (meaning "not given") is accepted.
+
+    Returns:
+        The identifier, unchanged.
+
+    Raises:
+        BoundsError: The identifier breaks the rule.
+    """
+    if not value:
+        if allow_empty:
+            return value
+        raise BoundsError(field, "must not be empty")
+    if len(value) > MAX_IDENTIFIER_CHARS or not _IDENTIFIER_RE.fullmatch(value):
+        raise BoundsError(field, f"invalid {field} {quote(value)}: {_IDENTIFIER_RULE}")
+    return value
+
+
+def check_user(value: str, field: str = "user") -> str:
+    """Checks a user name given in a request ("" means the caller; see `check_identifier`)."""
+    return check_identifier(value, field, allow_empty=True)
+
+
+def check_pool(value: str, field: str = "pool") -> str:
+    """Checks a pool name ("" means no pool; see `check_identifier`)."""
+    return check_identifier(value, field, allow_empty=True)
+
+
+def check_controller_id(value: str, field: str = "controller_id") -> str:
+    """Checks a controller replica's id (required; see `check_identifier`)."""
+    return check_identifier(value, field)
