@@ -197,3 +197,31 @@ def test_sent_events_skips_repeats_in_any_order() -> None:
     sent = SentEvents()
     assert sent.add(7) and sent.add(5) and sent.add(6)
     assert not sent.add(5) and not sent.add(7)
+
+
+async def test_secrets_are_stored_apart_and_never_read_back(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: s\nrun: echo\nsecrets: {API_KEY: sk-spec-0123}\n"
+    request = pb.SubmitJobRequest(spec_yaml=spec, secrets={"TOKEN": "sk-request-4567"})
+    job_id = (await client.SubmitJob(request)).job_id
+    answers = [
+        await client.GetJob(pb.GetJobRequest(job_id=job_id)),
+        await client.ListJobs(pb.ListJobsRequest()),
+    ]
+    stream = client.WatchJobs(pb.WatchJobsRequest(job_ids=[job_id]))
+    answers.append(await stream.read())
+    stream.cancel()
+    for answer in answers:
+        wire = answer.SerializeToString()
+        assert b"sk-spec-0123" not in wire and b"sk-request-4567" not in wire
+    assert answers[0].job.name == "s"
+
+
+async def test_a_secret_clashing_with_an_env_is_refused(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: s\nrun: echo\nenvs: {KEY: a}\n"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, secrets={"KEY": "b"}))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT

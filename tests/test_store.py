@@ -406,3 +406,16 @@ async def test_events_after_is_ordered_and_filtered(store: Store) -> None:
 async def test_tasks_rows_cascade_with_job(store: Store) -> None:
     await store.submit(new_job(chain(2)))
     assert await count(store, TaskRow) == 2
+
+
+async def test_secrets_and_timeouts_are_kept_with_the_job(store: Store) -> None:
+    parsed = parse_job_spec(
+        "name: s\nmax_pending: 2h\n---\nrun: a\nsecrets: {K: v1}\n---\nrun: b\n"
+    )
+    job = NewJob("s", "alice", 0, "", "", parsed.tasks, parsed.secrets, parsed.timeouts)
+    job_id, _ = await store.submit(job)
+    [first] = (await store.secrets([job_id]))[job_id]
+    assert (first.task_id, dict(first.secrets)) == (0, {"K": "v1"})
+    read = await store.get_job(job_id, with_specs=True)
+    assert read is not None and read.timeouts.max_pending_seconds == 7200
+    assert b"v1" not in read.SerializeToString()

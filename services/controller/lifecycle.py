@@ -43,6 +43,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from managedjobs.v1 import job_pb2
@@ -125,7 +126,10 @@ def cluster_name(job_id: int, task_id: int) -> str:
     return f"mj-{job_id}-{task_id}"
 
 
-def task_request(job_id: int, epoch: int, task: job_pb2.Task) -> TaskRequest:
+def task_request(
+    job_id: int, epoch: int, task: job_pb2.Task, secrets: Mapping[str, str] | None = None
+) -> TaskRequest:
+    """What to launch for a task attempt; its secrets join its envs only here."""
     spec = task.spec
     r = spec.resources
     return TaskRequest(
@@ -137,7 +141,7 @@ def task_request(job_id: int, epoch: int, task: job_pb2.Task) -> TaskRequest:
         setup=spec.setup,
         run=spec.run,
         workdir=spec.workdir,
-        envs=dict(spec.envs),
+        envs={**spec.envs, **(secrets or {})},
         cloud=r.cloud,
         region=r.region,
         zone=r.zone,
@@ -183,12 +187,19 @@ class Verdict:
 
 class JobLifecycle:
     def __init__(
-        self, job: job_pb2.Job, host: JobHost, backend: Backend, config: LifecycleConfig
+        self,
+        job: job_pb2.Job,
+        host: JobHost,
+        backend: Backend,
+        config: LifecycleConfig,
+        secrets: Mapping[int, Mapping[str, str]] | None = None,
     ) -> None:
         self.job = job
         self.host = host
         self.backend = backend
         self.config = config
+        # Per task: given to its environment, never logged or reported.
+        self._secrets = dict(secrets or {})
         self.tasks = [TaskState(t) for t in sorted(job.tasks, key=lambda t: t.task_id)]
 
     @property
@@ -257,7 +268,9 @@ class JobLifecycle:
                 return
 
     async def _run_task(self, state: TaskState) -> JobStatus:
-        request = task_request(self.job.job_id, self.host.epoch, state.task)
+        request = task_request(
+            self.job.job_id, self.host.epoch, state.task, self._secrets.get(state.task_id)
+        )
         strategy = strategy_for(
             state.task.spec, self.backend, self.host.slot, self.config, self.host.note
         )

@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -88,14 +89,22 @@ class LaunchSlot:
 class JobRunner:
     """One job on this replica (the `JobHost` of its lifecycle)."""
 
-    def __init__(self, replica: Replica, job: job_pb2.Job, epoch: int, granted: bool) -> None:
+    def __init__(
+        self,
+        replica: Replica,
+        job: job_pb2.Job,
+        epoch: int,
+        granted: bool,
+        secrets: Sequence[pb.TaskSecrets] = (),
+    ) -> None:
         self.replica = replica
         self.job = job
         self.job_id = job.job_id
         self.epoch = epoch
         self.slot = LaunchSlot(self, granted)
         self.cancel = CancelRequest(job.cancel_requested)
-        self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config)
+        by_task = {s.task_id: dict(s.secrets) for s in secrets}
+        self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config, by_task)
         self.task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -269,7 +278,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         if self._early_cancels.get(job.job_id) == assignment.epoch:
             del self._early_cancels[job.job_id]
             job.cancel_requested = True
-        runner = JobRunner(self, job, assignment.epoch, assignment.launch_granted)
+        runner = JobRunner(
+            self, job, assignment.epoch, assignment.launch_granted, assignment.secrets
+        )
         self.runners[job.job_id] = runner
         runner.note(f"assigned to {self.controller_id} (epoch {assignment.epoch})")
         runner.start()

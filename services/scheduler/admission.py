@@ -207,7 +207,7 @@ class Admission:
                 moves, jobs = await self.store.move_many(
                     ids, state, state, assign_to=cid, message=f"{RESUMED_ON}{cid}", fetch=True
                 )
-                self._assign(cid, moves, jobs, granted=False)
+                await self._assign(cid, moves, jobs, granted=False)
             if not rows or sum(pending.values()) < len(rows):
                 return
 
@@ -230,16 +230,19 @@ class Admission:
                     ids, St.WAITING, St.LAUNCHING, assign_to=cid, message=f"{ADMITTED_ON}{cid}",
                     fetch=True,
                 )  # fmt: skip
-                self._assign(cid, moves, jobs, granted=True)
+                await self._assign(cid, moves, jobs, granted=True)
             if not rows or sum(pending.values()) < len(rows):
                 return
 
-    def _assign(self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool) -> None:
+    async def _assign(
+        self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool
+    ) -> None:
         epochs = {m.job_id: m.epoch for m in moves}
         if granted:
             metrics.admitted(jobs)
+        secrets = await self.store.secrets([job.job_id for job in jobs])
         for job in jobs:
-            self.outbox.assign(cid, job, epochs[job.job_id], granted)
+            self.outbox.assign(cid, job, epochs[job.job_id], granted, secrets.get(job.job_id))
 
     def state(self) -> pb.GetSchedulerStateResponse:
         totals = self.counters.totals()

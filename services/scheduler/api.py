@@ -15,6 +15,7 @@ import grpc
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
+from services.common.bounds import MAX_INT64, BoundsError, check_pool, check_user
 from services.common.errors import InvalidArgument, NotFound, rpc_errors
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
@@ -29,7 +30,6 @@ MAX_BATCH = 1000
 MAX_PAGE_SIZE = 1000
 MAX_PRIORITY = 1000
 MAX_KEY_CHARS = 256
-MAX_USER_CHARS = 128
 DEFAULT_USER = "default"
 
 
@@ -43,16 +43,18 @@ def _parse_page_token(token: str) -> int:
     try:
         text = base64.urlsafe_b64decode(token.encode()).decode()
         prefix, _, value = text.partition(":")
-        if prefix != "before" or not value.isdigit():
+        if prefix != "before" or not value.isdigit() or not 0 < int(value) <= MAX_INT64:
             raise ValueError(text)
         return int(value)
     except (ValueError, binascii.Error, UnicodeDecodeError):
         raise InvalidArgument("page_token: not a token this server issued") from None
 
 
-def _user(user: str) -> str:
-    if len(user) > MAX_USER_CHARS:
-        raise InvalidArgument(f"user: at most {MAX_USER_CHARS} characters")
+def _user(user: str, field: str = "user") -> str:
+    try:
+        check_user(user, field)
+    except BoundsError as error:
+        raise InvalidArgument(str(error), field=error.field) from None
     return user or DEFAULT_USER
 
 
@@ -97,16 +99,20 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             )
         if len(request.idempotency_key) > MAX_KEY_CHARS:
             raise InvalidArgument(f"{prefix}idempotency_key: at most {MAX_KEY_CHARS} characters")
-        if len(request.pool) > MAX_USER_CHARS:
-            raise InvalidArgument(f"{prefix}pool: at most {MAX_USER_CHARS} characters")
-        user = _user(request.user)
+        user = _user(request.user, f"{prefix}user")
         try:
+            check_pool(request.pool, f"{prefix}pool")
             spec = parse_job_spec(
-                request.spec_yaml, name_override=request.name, extra_envs=dict(request.envs)
+                request.spec_yaml,
+                name_override=request.name,
+                extra_envs=dict(request.envs),
+                extra_secrets=dict(request.secrets),
+                known_regions=self.admission.regions(),
             )
-        except SpecError as error:
-            field = prefix + error.field
-            raise InvalidArgument(f"{prefix}{error}", field=field) from None
+        except BoundsError as error:
+            field = prefix + error.field if isinstance(error, SpecError) else error.field
+            message = f"{prefix}{error}" if isinstance(error, SpecError) else str(error)
+            raise InvalidArgument(message, field=field) from None
         return NewJob(
             name=spec.name,
             user=user,
@@ -114,6 +120,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             pool=request.pool,
             idempotency_key=request.idempotency_key,
             tasks=spec.tasks,
+            secrets=spec.secrets,
+            timeouts=spec.timeouts if spec.timeouts.ListFields() else None,
         )
 
     @rpc_errors

@@ -59,7 +59,9 @@ def task_message(row: TaskLike, with_spec: bool) -> job_pb2.Task:
 
 
 def job_message(row: JobLike, tasks: Iterable[TaskLike], with_specs: bool = False) -> job_pb2.Job:
+    timeouts = job_pb2.JobTimeouts.FromString(row.timeouts) if row.timeouts else None
     return job_pb2.Job(
+        timeouts=timeouts,
         job_id=row.id,
         name=row.name,
         user=row.user,

@@ -18,6 +18,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     String,
     Table,
     Text,
@@ -71,8 +72,23 @@ class JobRow(Base):
     submit_time: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     start_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # The job's timeouts (a serialized JobTimeouts), when it has any.
+    timeouts: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
     # Lets one multi-row INSERT ... RETURNING hand back ids in submission order (SQLite).
     _sentinel: Mapped[int | None] = orm_insert_sentinel()
+
+
+class SecretRow(Base):
+    """A job's secrets, apart from everything that is ever read back to a client: only the
+    assignment of the job to a replica carries them."""
+
+    __tablename__ = "job_secrets"
+
+    job_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    # JSON: one {name: value} map per task, in task order.
+    data: Mapped[str] = mapped_column(Text)
 
 
 class TaskRow(Base):
@@ -121,3 +137,4 @@ class EventRow(Base):
 JOBS = cast(Table, JobRow.__table__)
 TASKS = cast(Table, TaskRow.__table__)
 EVENTS = cast(Table, EventRow.__table__)
+SECRETS = cast(Table, SecretRow.__table__)

@@ -237,10 +237,12 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 "replica was never sent some assignments; sending them",
                 extra={"controller_id": cid, "jobs": missing[:20], "count": len(missing)},
             )
+            secrets = await self.store.secrets(missing)
             for job in await self.store.get_jobs(missing, with_specs=True):
                 if job.schedule_state != St.DONE and job.controller_id == cid:
                     granted = job.schedule_state == St.LAUNCHING
-                    sent += self.outbox.assign(cid, job, truth[job.job_id], granted)
+                    epoch, kept = truth[job.job_id], secrets.get(job.job_id)
+                    sent += self.outbox.assign(cid, job, epoch, granted, kept)
         return sent
 
     async def _read(

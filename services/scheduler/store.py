@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import json
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -35,6 +36,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from managedjobs.v1 import job_pb2
+from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import (
     TASK_TRANSITIONS,
     IllegalTransition,
@@ -46,7 +48,16 @@ from services.common.statuses import (
 from services.scheduler import convert
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
-from services.scheduler.models import EVENTS, JOBS, TASKS, EventRow, JobRow, TaskRow
+from services.scheduler.models import (
+    EVENTS,
+    JOBS,
+    SECRETS,
+    TASKS,
+    EventRow,
+    JobRow,
+    SecretRow,
+    TaskRow,
+)
 from services.scheduler.spec import resources_summary
 
 S = JobStatus
@@ -70,6 +81,9 @@ class NewJob:
     pool: str
     idempotency_key: str
     tasks: Sequence[job_pb2.TaskSpec]
+    # One map per task (may be empty); stored apart, only ever sent with an assignment.
+    secrets: Sequence[dict[str, str]] = ()
+    timeouts: job_pb2.JobTimeouts | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +300,13 @@ class Store:
                         for task_id, spec in enumerate(jobs[i].tasks)
                     ],
                 )
+                secrets = [
+                    {"job_id": job_id, "data": json.dumps(list(jobs[i].secrets))}
+                    for job_id, i in zip(ids, fresh, strict=True)
+                    if any(jobs[i].secrets)
+                ]
+                if secrets:
+                    await txn.session.execute(insert(SECRETS), secrets)
                 for job_id, i in zip(ids, fresh, strict=True):
                     txn.event(int(job_id), 0, S.PENDING, state, SUBMITTED)
                     txn.moves.append(Move(int(job_id), None, None, 0, St.INACTIVE, state))
@@ -305,6 +326,22 @@ class Store:
     async def get_jobs(self, job_ids: Sequence[int], with_specs: bool = False) -> list[job_pb2.Job]:
         async with self.db.read() as session:
             return await job_messages(session, list(job_ids), with_specs)
+
+    async def secrets(self, job_ids: Sequence[int]) -> dict[int, list[pb.TaskSecrets]]:
+        """The secrets of jobs that have any, per task: for their assignment only."""
+        if not job_ids:
+            return {}
+        query = select(SecretRow.job_id, SecretRow.data).where(SecretRow.job_id.in_(job_ids))
+        async with self.db.read() as session:
+            rows = (await session.execute(query)).all()
+        return {
+            int(job_id): [
+                pb.TaskSecrets(task_id=task_id, secrets=values)
+                for task_id, values in enumerate(json.loads(data))
+                if values
+            ]
+            for job_id, data in rows
+        }
 
     async def list_jobs(
         self,
@@ -581,6 +618,7 @@ def _job_values(job: NewJob, state: ScheduleState, now: dt.datetime) -> dict[str
         "failure_reason": "",
         "wait_reason": "",
         "submit_time": now,
+        "timeouts": job.timeouts.SerializeToString() if job.timeouts else None,
     }
 
 

@@ -43,6 +43,26 @@ class SubmitJobRequest(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SecretsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     SPEC_YAML_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
@@ -50,6 +70,7 @@ class SubmitJobRequest(_message.Message):
     ENVS_FIELD_NUMBER: _builtins.int
     USER_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    SECRETS_FIELD_NUMBER: _builtins.int
     spec_yaml: _builtins.str
     """SkyPilot task YAML; several documents form a chain."""
     name: _builtins.str
@@ -63,6 +84,12 @@ class SubmitJobRequest(_message.Message):
     def envs(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Merged into every task's envs, overriding the spec."""
 
+    @_builtins.property
+    def secrets(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Merged into every task's secrets: given to the tasks' environment, never returned by
+        any RPC, never written to any log.
+        """
+
     def __init__(
         self,
         *,
@@ -73,10 +100,11 @@ class SubmitJobRequest(_message.Message):
         envs: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         user: _builtins.str = ...,
         idempotency_key: _builtins.str = ...,
+        secrets: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "idempotency_key", b"idempotency_key", "name", b"name", "pool", b"pool", "priority", b"priority", "spec_yaml", b"spec_yaml", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["envs", b"envs", "idempotency_key", b"idempotency_key", "name", b"name", "pool", b"pool", "priority", b"priority", "secrets", b"secrets", "spec_yaml", b"spec_yaml", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
