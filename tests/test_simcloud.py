@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,13 @@ from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
 from services.backends import (
     BackendUnreachableError,
+    ClusterEvent,
     ClusterStatus,
+    Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
+    TaskEnd,
     TaskRequest,
     TaskStatus,
     make_backend,
@@ -73,9 +76,20 @@ def test_example_and_default_configs_describe_three_regions() -> None:
     assert [r.name for r in DEFAULT_CONFIG.regions] == [EAST, WEST, EU]
 
 
+def test_notice_seconds_is_set_per_cloud_and_per_region() -> None:
+    config = parse_config(
+        "notice_seconds: 30\nregions: [{name: a, notice_seconds: 120}, {name: b}]"
+    )
+    cloud = Cloud(config, ManualClock())
+    assert [r.notice_seconds for r in cloud.regions.values()] == [120.0, 30.0]
+
+
 @pytest.mark.parametrize(
     ("text", "path"),
     [
+        ("notice_seconds: -1\nregions: [{name: a}]", "notice_seconds"),
+        ("regions: [{name: a, launch_latency_seconds: 1e300}]", "launch_latency_seconds"),
+        ("regions: [{name: 'a b'}]", "regions[0]"),
         ("regions: [{name: a, zones: [a1], gpus: 1}]", "regions[0].gpus"),
         ("time_scale: 0\nregions: [{name: a}]", "time_scale"),
         ("regions: [{name: a, zones: [x]}, {name: b, zones: [x]}]", "regions[1]"),
@@ -141,7 +155,7 @@ def test_full_region_fails_over_in_order_and_records_every_region_tried() -> Non
         ({"accelerators": "A100:zero"}, PrecheckInvalid, "count"),
         ({"cloud": "aws"}, PrecheckFailed, "unknown cloud"),
         ({"num_nodes": 0}, PrecheckInvalid, "num_nodes"),
-        ({"cluster_name": "bad name!"}, PrecheckInvalid, "cluster name"),
+        ({"cluster_name": "bad name!"}, PrecheckInvalid, "cluster_name"),
         ({"region": EAST, "blocked_regions": (EAST,)}, PrecheckFailed, "no region"),
         ({"accelerators": "V100", "blocked_regions": (EU,)}, PrecheckFailed, "no region"),
     ],
@@ -247,6 +261,61 @@ def test_the_same_seed_gives_the_same_events() -> None:
     assert first != run_random_scenario(seed=8)
 
 
+def test_random_reclaims_are_announced_and_happen_at_the_deadline() -> None:
+    config = small_cloud(seed=3, preemptions_per_hour=3600.0, notice_seconds=30.0)
+    cloud = Cloud(config, ManualClock())
+    plan = TaskPlan(runtime=1e6)
+    for job in (1, 2):
+        cloud.begin_launch(spec(f"c{job}", job=job, plan=plan))
+    cloud.advance(1000)
+    by_cluster: dict[str, list[tuple[str, float]]] = {}
+    for event in cloud.events.all():
+        by_cluster.setdefault(event.cluster_name, []).append((event.kind.name, event.sim_time))
+    for name in ("c1", "c2"):
+        kinds = [kind for kind, _ in by_cluster[name]]
+        assert kinds == [
+            "CLUSTER_STATUS_CHANGED",  # INIT
+            "CLUSTER_STATUS_CHANGED",  # UP
+            "PREEMPTION_NOTICE",
+            "CLUSTER_STATUS_CHANGED",  # DOWN
+        ]
+        (_, noticed), (_, down) = by_cluster[name][2:]
+        cluster = cloud.get(name)
+        assert down - noticed == pytest.approx(30.0)
+        assert cluster.preempt_time == cluster.notice_deadline == down
+    assert cloud.state().preempted_total == 2
+
+
+def test_an_earlier_reclaim_overtakes_a_notice_and_a_later_one_never_delays_it() -> None:
+    cloud = Cloud(small_cloud(notice_seconds=100.0), ManualClock())
+    cluster, _ = cloud.begin_launch(spec(plan=TaskPlan(runtime=1e6)))
+    cloud.advance(5)
+    assert cloud.preempt_cluster("c", notice=50) == (True, 55.0)
+    assert cloud.preempt_cluster("c", notice=80) == (True, 55.0)
+    cloud.advance(10)
+    assert cloud.preempt_cluster("c", notice=0) == (True, None)
+    assert cluster.status == ClusterState.DOWN and cluster.preempt_time == 15.0
+    cloud.advance(100)
+    assert cloud.state().preempted_total == 1
+
+
+def test_signal_notes_sit_among_the_log_lines_of_every_node() -> None:
+    cloud = Cloud(small_cloud(), ManualClock(start_wall=0.0))
+    plan = TaskPlan(runtime=10, log_lines=("a", "b", "c", "d", "e"))
+    cluster, _ = cloud.begin_launch(spec(plan=plan, num_nodes=2, use_spot=False))
+    cloud.advance(5 + 3)  # UP at 5; lines at 0 and 2 of the run are out
+    before = cluster.render(0, cluster.entries_emitted(cloud.clock.now()))
+    assert cloud.notify("c", epoch=1, deadline=60.0) == 8.0
+    assert cloud.notify("c", epoch=1, deadline=60.0) == 8.0  # a repeat: one note
+    cloud.advance(20)
+    log = cluster.render(0, cluster.entries_emitted(cloud.clock.now()))
+    note = "received SIGTERM: preemption notice, reclaim at 1970-01-01T00:01:00Z"
+    ranks = [f"(rank={r}) " for r in (0, 1)]
+    expected = [f"{rank}{line}" for line in ("a", "b", note, "c", "d", "e") for rank in ranks]
+    assert log.decode().splitlines() == expected
+    assert log.startswith(before) and b"".join(cluster.render_chunks(0, 6, 10)) == log
+
+
 def test_a_launch_with_a_stale_epoch_is_refused_and_counted() -> None:
     cloud = Cloud(small_cloud(), ManualClock())
     launch_up(cloud, spec(epoch=2))
@@ -287,7 +356,7 @@ def test_operator_preempts_regions_sets_capacity_and_fails_launches() -> None:
     cloud = Cloud(small_cloud(), ManualClock())
     launch_up(cloud, spec("a", job=1))
     launch_up(cloud, dataclasses.replace(spec("b", job=2), use_spot=False))
-    assert cloud.preempt_region(EAST) == ["a"]
+    assert cloud.preempt_region(EAST) == (["a"], None)
     assert cloud.get("b").status == ClusterState.UP
     cloud.set_capacity(EAST, spot=0, on_demand=None)
     cloud.inject_faults(WEST, fail_next_launches=1)
@@ -477,3 +546,287 @@ async def eventually(check: Any, want: object, timeout: float = 5.0) -> None:
             if await check() == want:
                 return
             await asyncio.sleep(0.01)
+
+
+# --- task ends, notices and signals: a real server on a manual clock -----------------------
+#
+# The cloud's clock moves only when a test calls `advance`, so every simulated instant
+# below is exact; launches need no advance (launch latency 0), and wall-clock times are
+# START + simulated seconds.
+
+START = 1_700_000_000.0
+NOTICE = 120.0
+
+
+@dataclasses.dataclass
+class Manual:
+    """A sim cloud on a manual clock, served on port 0, and its clients."""
+
+    running: RunningCloud
+    backend: SimBackend
+    cloud: pb_grpc.SimCloudServiceAsyncStub
+    operator: pb_grpc.SimOperatorServiceAsyncStub
+
+    def advance(self, seconds: float) -> None:
+        self.running.cloud.advance(seconds)
+
+    async def cluster(self, name: str) -> pb.Cluster:
+        return (await self.cloud.GetCluster(pb.GetClusterRequest(cluster_name=name))).cluster
+
+
+@pytest.fixture
+async def manual() -> AsyncIterator[Manual]:
+    """us-east-1 announces spot reclaims NOTICE simulated seconds ahead; other regions do not."""
+    config = small_cloud(launch_latency_seconds=0.0)
+    east = dataclasses.replace(config.regions[0], notice_seconds=NOTICE)
+    config = dataclasses.replace(config, regions=(east, *config.regions[1:]))
+    running = await start(config, port=0, clock=ManualClock(START))
+    backend = SimBackend(f"127.0.0.1:{running.port}")
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
+    try:
+        yield Manual(
+            running,
+            backend,
+            pb_grpc.SimCloudServiceStub(channel),
+            pb_grpc.SimOperatorServiceStub(channel),
+        )
+    finally:
+        await channel.close()
+        await backend.close()
+        await running.stop()
+
+
+async def open_stream(m: Manual) -> AsyncIterator[ClusterEvent]:
+    """The backend's event stream, once open: it starts "from now", so probe until one shows."""
+    stream = m.backend.events()
+    assert stream is not None
+    first = asyncio.ensure_future(anext(stream))
+    for probe in range(900, 1000):
+        await m.backend.launch(task(probe, use_spot=False))
+        done, _ = await asyncio.wait({first}, timeout=0.2)
+        if done:
+            break
+    assert first.done(), "the event stream never opened"
+    return stream
+
+
+async def next_event_of(
+    stream: AsyncIterator[ClusterEvent], name: str, timeout: float = 5.0
+) -> ClusterEvent:
+    """The next event about cluster `name` (others skipped), within `timeout` real seconds."""
+    async with asyncio.timeout(timeout):
+        async for event in stream:
+            if event.cluster_name == name:
+                return event
+    raise AssertionError("the event stream ended")
+
+
+async def test_a_finished_task_stays_readable_after_its_cluster_is_preempted(
+    manual: Manual,
+) -> None:
+    m = manual
+    done = await m.backend.launch(task(1, sim={"runtime_seconds": 5, "exit_code": 3}))
+    running = await m.backend.launch(task(2, sim={"runtime_seconds": 1e6}))
+    m.advance(5)
+    end = TaskEnd(TaskStatus.FAILED, 3, START + 5)
+    assert await m.backend.observe(done) == Observation(ClusterStatus.UP, TaskStatus.FAILED, end)
+    for name in (done.cluster_name, running.cluster_name):
+        await m.operator.PreemptCluster(pb.PreemptClusterRequest(cluster_name=name))
+    # The end survives the preemption; a task that had not ended is unreadable.
+    assert await m.backend.observe(done) == Observation(ClusterStatus.DOWN, TaskStatus.FAILED, end)
+    record = await m.cluster(done.cluster_name)
+    assert (record.status, record.task_status, record.exit_code) == (
+        pb.CLUSTER_STATUS_DOWN,
+        pb.TASK_STATUS_FAILED,
+        3,
+    )
+    assert await m.backend.observe(running) == Observation(ClusterStatus.DOWN)
+    # Many clusters, one call: every name answered, one never launched among them.
+    never = m.backend.handle_for("never-launched")
+    bad = m.backend.handle_for("no such name!")
+    seen = await m.backend.observe_many([done, running, never, done, bad])
+    assert isinstance(seen.pop(bad.cluster_name), PrecheckError)
+    assert seen == {
+        done.cluster_name: Observation(ClusterStatus.DOWN, TaskStatus.FAILED, end),
+        running.cluster_name: Observation(ClusterStatus.DOWN),
+        "never-launched": Observation(ClusterStatus.DOWN),
+    }
+    reply = await m.cloud.GetClusters(
+        pb.GetClustersRequest(cluster_names=[done.cluster_name, "never-launched"])
+    )
+    assert [c.name for c in reply.clusters] == [done.cluster_name]
+    assert list(reply.unknown_cluster_names) == ["never-launched"]
+    # Terminated: the end is history (in the inventory), no longer an observation.
+    await m.backend.terminate(done)
+    assert await m.backend.observe(done) == Observation(ClusterStatus.DOWN)
+    record = await m.cluster(done.cluster_name)
+    assert record.task_status == pb.TASK_STATUS_UNSPECIFIED and record.HasField("task_end_time")
+
+
+async def test_pushed_events_carry_the_whole_observation(manual: Manual) -> None:
+    m = manual
+    stream = await open_stream(m)
+    handle = await m.backend.launch(task(1, sim={"runtime_seconds": 5, "exit_code": 3}))
+    up = await next_event_of(stream, handle.cluster_name)
+    assert up.observation == Observation(ClusterStatus.INIT)
+    up = await next_event_of(stream, handle.cluster_name)
+    assert up.observation == Observation(ClusterStatus.UP, TaskStatus.RUNNING)
+    m.advance(5)
+    end = TaskEnd(TaskStatus.FAILED, 3, START + 5)
+    ended = await next_event_of(stream, handle.cluster_name)
+    assert ended.observation == Observation(ClusterStatus.UP, TaskStatus.FAILED, end)
+    assert ended.notice_deadline is None
+    await m.operator.PreemptCluster(pb.PreemptClusterRequest(cluster_name=handle.cluster_name))
+    down = await next_event_of(stream, handle.cluster_name)
+    assert down.observation == Observation(ClusterStatus.DOWN, TaskStatus.FAILED, end)
+
+
+async def test_a_spot_reclaim_is_announced_notice_seconds_ahead(manual: Manual) -> None:
+    m = manual
+    stream = await open_stream(m)
+    sim = {"runtime_seconds": 1e6, "preempt_after_seconds": 10}
+    handle = await m.backend.launch(task(1, sim=sim))
+    assert handle.region == EAST
+    for _ in range(2):  # INIT, UP
+        await next_event_of(stream, handle.cluster_name)
+    m.advance(10)  # the reclaim is decided, and announced NOTICE seconds ahead
+    notice = await next_event_of(stream, handle.cluster_name)
+    deadline = START + 10 + NOTICE
+    assert notice.notice_deadline == deadline
+    assert notice.observation == Observation(ClusterStatus.UP, TaskStatus.RUNNING)
+    m.advance(NOTICE - 0.5)
+    assert (await m.backend.observe(handle)).cluster == ClusterStatus.UP
+    m.advance(0.5)
+    down = await next_event_of(stream, handle.cluster_name)
+    assert down.observation == Observation(ClusterStatus.DOWN)
+    assert down.notice_deadline is None
+    record = await m.cluster(handle.cluster_name)
+    assert record.preempt_time.ToNanoseconds() / 1e9 == deadline
+    assert record.notice_deadline.ToNanoseconds() / 1e9 == deadline
+    # An operator's notice: announced with its own lead time, then the reclaim.
+    other = await m.backend.launch(task(2, sim={"runtime_seconds": 1e6}))
+    reply = await m.operator.PreemptCluster(
+        pb.PreemptClusterRequest(cluster_name=other.cluster_name, notice_seconds=30)
+    )
+    later = START + 10 + NOTICE + 30
+    assert reply.preempted and reply.deadline.ToNanoseconds() / 1e9 == later
+    for _ in range(2):  # INIT, UP
+        await next_event_of(stream, other.cluster_name)
+    assert (await next_event_of(stream, other.cluster_name)).notice_deadline == later
+    m.advance(30)
+    assert (await next_event_of(stream, other.cluster_name)).observation == Observation(
+        ClusterStatus.DOWN
+    )
+    state = await m.operator.GetCloudState(pb.GetCloudStateRequest())
+    assert (state.preemption_notices_total, state.preempted_total) == (2, 2)
+
+
+async def test_a_notice_is_passed_on_to_the_task_and_fenced_by_epoch(manual: Manual) -> None:
+    m = manual
+    sim = {"runtime_seconds": 100, "log_lines": ["a", "b", "c", "d"]}
+    handle = await m.backend.launch(task(1, epoch=2, sim=sim))
+    m.advance(30)  # lines at 0 and 25 are out
+    tail = m.backend.tail_logs(handle)
+    assert isinstance(tail, AsyncGenerator)
+    followed = await read_until(tail, b"a\nb\n")
+    deadline = START + 150
+    await m.backend.notify_preemption(handle, 2, deadline)
+    # A follower reads the note at once, not at the next line.
+    followed += await read_until(tail, b"reclaim at")
+    await tail.aclose()
+    record = await m.cluster(handle.cluster_name)
+    assert record.notice_delivered_time.ToNanoseconds() / 1e9 == START + 30
+    assert record.notice_delivered_deadline.ToNanoseconds() / 1e9 == deadline
+    note = b"received SIGTERM: preemption notice, reclaim at 2023-11-14T22:15:50Z\n"
+    assert await m.backend.read_logs(handle) == b"a\nb\n" + note == followed
+    m.advance(70)
+    assert await m.backend.read_logs(handle) == b"a\nb\n" + note + b"c\nd\n"
+    [listed] = await list_inventory(m.operator, job_id=1)
+    assert listed.notice_delivered_time == record.notice_delivered_time
+    # A replica that lost the job may not signal the new holder's task.
+    with pytest.raises(StaleEpochError, match="stale epoch 1"):
+        await m.backend.notify_preemption(handle, 1, deadline + 1)
+    assert (await m.cluster(handle.cluster_name)).notice_delivered_deadline == (
+        record.notice_delivered_deadline
+    )
+    state = await m.operator.GetCloudState(pb.GetCloudStateRequest())
+    assert (state.notices_delivered_total, state.stale_notices_rejected) == (1, 1)
+    # Nothing to tell once the task ended, or for a cluster never launched.
+    reply = await m.cloud.NotifyPreemption(
+        pb.NotifyPreemptionRequest(
+            cluster_name=handle.cluster_name, epoch=2, deadline=record.notice_delivered_deadline
+        )
+    )
+    assert not reply.delivered
+    await m.backend.notify_preemption(m.backend.handle_for("never-launched"), 2, deadline)
+
+
+async def test_a_graceful_terminate_signals_the_task_and_ends_after_the_grace(
+    manual: Manual,
+) -> None:
+    m = manual
+    handle = await m.backend.launch(task(1, sim={"runtime_seconds": 1e6}))
+    m.advance(7)
+    terminating = asyncio.create_task(m.backend.terminate(handle, epoch=1, grace=30))
+    await eventually(lambda: signalled(m, handle.cluster_name), True)
+    record = await m.cluster(handle.cluster_name)
+    assert record.status == pb.CLUSTER_STATUS_UP
+    assert record.sigterm_time.ToNanoseconds() / 1e9 == START + 7
+    assert b"received SIGTERM: terminating, SIGKILL in 30s\n" in await m.backend.read_logs(handle)
+    m.advance(29.5)
+    assert (await m.cluster(handle.cluster_name)).status == pb.CLUSTER_STATUS_UP
+    assert not terminating.done()
+    m.advance(0.5)
+    await asyncio.wait_for(terminating, 5)
+    record = await m.cluster(handle.cluster_name)
+    assert record.status == pb.CLUSTER_STATUS_TERMINATED
+    assert record.terminate_time.ToNanoseconds() / 1e9 == START + 37
+    [listed] = await list_inventory(m.operator, job_id=1)
+    assert listed.sigterm_time == record.sigterm_time
+    # A task that ends within its grace ends the terminate with it.
+    short = await m.backend.launch(task(2, sim={"runtime_seconds": 10}))
+    terminating = asyncio.create_task(m.backend.terminate(short, grace=300))
+    await eventually(lambda: signalled(m, short.cluster_name), True)
+    m.advance(10)
+    await asyncio.wait_for(terminating, 5)
+    assert (await m.cluster(short.cluster_name)).terminate_time.ToNanoseconds() / 1e9 == (
+        START + 47
+    )
+    # A task already ended gets no signal, and its cluster goes at once.
+    m.advance(1)
+    ended = await m.backend.launch(task(3, sim={"runtime_seconds": 0}))
+    await m.backend.terminate(ended, grace=300)
+    record = await m.cluster(ended.cluster_name)
+    assert record.status == pb.CLUSTER_STATUS_TERMINATED and not record.HasField("sigterm_time")
+
+
+async def read_until(stream: AsyncIterator[bytes], marker: bytes) -> bytes:
+    """Chunks of a log stream until `marker` shows (5 real seconds at most)."""
+    got = b""
+    async with asyncio.timeout(5):
+        while marker not in got:
+            got += await anext(stream)
+    return got
+
+
+async def signalled(m: Manual, name: str) -> bool:
+    return (await m.cluster(name)).HasField("sigterm_time")
+
+
+async def test_watching_past_the_head_is_out_of_range(manual: Manual) -> None:
+    m = manual
+    await m.backend.launch(task(1))
+    head = (await m.operator.GetCloudState(pb.GetCloudStateRequest())).head_seq
+    call = m.cloud.WatchEvents(pb.WatchEventsRequest(after_seq=head + 5))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        async for _ in call:
+            pass
+    assert caught.value.code() == grpc.StatusCode.OUT_OF_RANGE
+    assert "after_seq" in (caught.value.details() or "")
+
+
+async def test_the_backend_knows_the_clouds_regions_once_loaded(manual: Manual) -> None:
+    m = manual
+    assert m.backend.launch_concurrency == 256
+    await m.backend.load()
+    assert m.backend.regions() == (EAST, WEST, EU)

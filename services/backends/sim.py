@@ -9,22 +9,47 @@ executed.
 
 Errors from the cloud map onto the backend's: RESOURCE_EXHAUSTED ->
 `ResourcesUnavailableError` (regions_tried from the ErrorInfo metadata),
+FAILED_PRECONDITION with reason STALE_EPOCH -> `StaleEpochError`, other
 INVALID_ARGUMENT and FAILED_PRECONDITION -> `PrecheckError`, UNAVAILABLE and
 DEADLINE_EXCEEDED -> `BackendUnreachableError`; NOT_FOUND means the cluster
 never existed (DOWN, no task status, does not exist).
 
+What the backend reads (`observe`, `observe_many` with one GetClusters call per
+1,000 clusters, and every pushed event) is a whole `Observation`: a task that
+finished keeps its status (`task`) and its `TaskEnd` (exit code, end time) after
+its cluster was preempted, until the cluster is terminated; an unfinished task
+on a DOWN cluster is unreadable (`task=None`).
+
 `events()` is the cloud's WatchEvents stream: every cluster and task status
-change, so controllers hear of a preemption or a finished task at once. The
-backend remembers the last sequence number it saw and resumes after it when the
-caller (services/controller/watch.py) reopens the stream.
+change, each with its whole observation, and every preemption notice
+(`ClusterEvent.notice_deadline`, Unix seconds), so controllers hear of a
+preemption, a coming one or a finished task at once. The backend remembers the
+last sequence number it saw and resumes after it when the caller
+(services/controller/watch.py) reopens the stream; a cloud that restarted (the
+resume is OUT_OF_RANGE) or dropped the events (FAILED_PRECONDITION) is watched
+afresh from its head.
+
+Durations the cloud is given are simulated seconds: `terminate`'s grace, like
+the `sim` key's runtime, passes `time_scale` times faster than real time, and
+the Terminate call, which returns once the cluster is gone, may take that long.
+`notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
+recorded by the cloud); a cluster never launched, already down or whose task
+ended has nothing to tell and the call returns quietly.
+
+`regions()` is None until the backend first heard from the cloud: `load()` (or
+any `reachable()` probe) fetches ListRegions once and caches the region names
+and the time scale; `regions()` itself starts that fetch in the background.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf import timestamp_pb2
 from google.rpc import error_details_pb2, status_pb2
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
@@ -45,6 +70,7 @@ from services.backends.base import (
     TaskStatus,
 )
 from services.common.server import CHANNEL_OPTIONS
+from services.simcloud.bounds import NAME_RE
 
 _CLUSTER_STATUS = {
     pb.CLUSTER_STATUS_INIT: ClusterStatus.INIT,
@@ -62,6 +88,8 @@ _TASK_STATUS = {
 }
 _PRECHECK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Clusters per GetClusters call (the cloud's limit).
+GET_CLUSTERS_BATCH = 1000
 
 
 def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
@@ -140,21 +168,30 @@ def launch_request(
     )
 
 
-def observation(cluster: pb.Cluster) -> Observation:
-    """What a cluster record of the sim cloud says."""
-    status = _CLUSTER_STATUS.get(cluster.status, ClusterStatus.DOWN)
-    task = _TASK_STATUS.get(cluster.task_status)
+def observation(message: pb.Cluster | pb.ClusterEvent) -> Observation:
+    """What a cluster record, or an event about one, of the sim cloud says.
+
+    The cloud reports the task's status while the cluster is UP and a finished
+    task's while DOWN (UNSPECIFIED otherwise, and always once terminated).
+    """
+    status_code = message.status if isinstance(message, pb.Cluster) else message.cluster_status
+    status = _CLUSTER_STATUS.get(status_code, ClusterStatus.DOWN)
+    task = _TASK_STATUS.get(message.task_status)
+    if status is ClusterStatus.INIT or (
+        status is ClusterStatus.DOWN and not (task and task.finished)
+    ):
+        task = None
     end = None
-    if task is not None and task.finished and cluster.HasField("task_end_time"):
-        end = TaskEnd(task, cluster.exit_code, cluster.task_end_time.ToNanoseconds() / 1e9)
-    return Observation(status, task if status is ClusterStatus.UP else None, end)
+    if task is not None and task.finished and message.HasField("task_end_time"):
+        end = TaskEnd(task, message.exit_code, message.task_end_time.ToNanoseconds() / 1e9)
+    return Observation(status, task, end)
 
 
 class SimBackend(Backend):
     """Clusters in the sim cloud, reached over one gRPC channel."""
 
     name = "sim"
-    # A launch is an RPC to the cloud: many run at once cheaply.
+    # A launch is one RPC and the cloud holds no process per cluster.
     launch_concurrency = 256
 
     def __init__(
@@ -180,6 +217,10 @@ class SimBackend(Backend):
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SimCloudServiceAsyncStub | None = None
         self._after_seq = 0
+        # From ListRegions, once heard (`load`).
+        self._regions: tuple[str, ...] | None = None
+        self._time_scale: float | None = None
+        self._loading: asyncio.Task[None] | None = None
 
     def _cloud(self) -> pb_grpc.SimCloudServiceAsyncStub:
         if self._stub is None:
@@ -226,11 +267,79 @@ class SimBackend(Backend):
         cluster = await self._get(handle.cluster_name)
         return Observation(ClusterStatus.DOWN) if cluster is None else observation(cluster)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
-        request = pb.TerminateRequest(cluster_name=handle.cluster_name, epoch=epoch)
+    async def observe_many(
+        self, handles: Sequence[ClusterHandle]
+    ) -> dict[str, Observation | BackendError]:
+        """One GetClusters call per 1,000 clusters; a failed call fails only its own."""
+        out: dict[str, Observation | BackendError] = {}
+        names: list[str] = []
+        for name in dict.fromkeys(handle.cluster_name for handle in handles):
+            if NAME_RE.fullmatch(name):
+                names.append(name)
+            else:
+                # Refused alone, rather than failing the call for every other cluster.
+                out[name] = PrecheckError(f"invalid cluster name {name[:200]!r}")
+        batches = [
+            names[i : i + GET_CLUSTERS_BATCH] for i in range(0, len(names), GET_CLUSTERS_BATCH)
+        ]
+        for batch, seen in zip(
+            batches, await asyncio.gather(*(self._get_many(b) for b in batches)), strict=True
+        ):
+            for name in batch:
+                if isinstance(seen, BackendError):
+                    out[name] = seen
+                else:
+                    out[name] = seen.get(name) or BackendError(f"the sim cloud omitted {name}")
+        return out
+
+    async def _get_many(self, names: Sequence[str]) -> dict[str, Observation] | BackendError:
+        request = pb.GetClustersRequest(cluster_names=names)
         try:
-            await self._cloud().Terminate(request, timeout=self._timeout)
+            reply = await self._cloud().GetClusters(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
+            return backend_error(exc)
+        seen = dict.fromkeys(reply.unknown_cluster_names, Observation(ClusterStatus.DOWN))
+        seen.update((cluster.name, observation(cluster)) for cluster in reply.clusters)
+        return seen
+
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+        """Terminates the cluster; a live task gets SIGTERM and `grace` simulated seconds.
+
+        Returns once the cluster is gone.
+        """
+        if not (math.isfinite(grace) and grace >= 0):
+            raise PrecheckError(f"grace must be a finite number >= 0, got {grace}")
+        request = pb.TerminateRequest(
+            cluster_name=handle.cluster_name, epoch=epoch, grace_seconds=grace
+        )
+        timeout = self._timeout
+        if grace > 0:
+            await self.load()
+            timeout += grace / (self._time_scale or 1.0)
+        try:
+            await self._cloud().Terminate(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise backend_error(exc) from exc
+
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        """Has the cloud deliver SIGTERM and the notice file (the deadline) to the task.
+
+        Raises:
+            StaleEpochError: a newer epoch of the job holds the cluster.
+            BackendUnreachableError: the cloud cannot be asked now.
+        """
+        if not math.isfinite(deadline):
+            raise PrecheckError(f"a preemption deadline is a Unix time, got {deadline}")
+        stamp = timestamp_pb2.Timestamp()
+        stamp.FromNanoseconds(int(deadline * 1e9))
+        request = pb.NotifyPreemptionRequest(
+            cluster_name=handle.cluster_name, epoch=epoch, deadline=stamp
+        )
+        try:
+            await self._cloud().NotifyPreemption(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return
             raise backend_error(exc) from exc
 
     async def cluster_exists(self, cluster_name: str) -> bool:
@@ -258,12 +367,48 @@ class SimBackend(Backend):
 
     async def reachable(self) -> bool:
         try:
-            await self._cloud().ListRegions(
+            reply = await self._cloud().ListRegions(
                 pb.ListRegionsRequest(), timeout=self._reachable_timeout
             )
         except grpc.aio.AioRpcError:
             return False
+        self._remember(reply)
         return True
+
+    async def load(self) -> None:
+        """Fetches the cloud's regions and time scale, unless already known.
+
+        Raises:
+            BackendUnreachableError: the cloud cannot be asked now.
+        """
+        if self._regions is not None:
+            return
+        try:
+            reply = await self._cloud().ListRegions(pb.ListRegionsRequest(), timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise backend_error(exc) from exc
+        self._remember(reply)
+
+    def _remember(self, reply: pb.ListRegionsResponse) -> None:
+        self._regions = tuple(region.name for region in reply.regions)
+        self._time_scale = reply.time_scale or None
+
+    def regions(self) -> Sequence[str] | None:
+        """The cloud's regions once heard (`load`); None before, while a fetch starts."""
+        if self._regions is None and (self._loading is None or self._loading.done()):
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return None
+            self._loading = loop.create_task(self._load_quietly(), name="sim-regions")
+        return self._regions
+
+    async def _load_quietly(self) -> None:
+        try:
+            await self.load()
+        except BackendError:
+            # Asked again at the next regions() or reachable().
+            return
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         return self._events()
@@ -278,25 +423,30 @@ class SimBackend(Backend):
                     continue
                 event = reply.event
                 self._after_seq = event.seq
-                status = _CLUSTER_STATUS.get(event.cluster_status, ClusterStatus.DOWN)
-                task = _TASK_STATUS.get(event.task_status)
+                deadline = None
+                if event.kind == pb.EVENT_KIND_PREEMPTION_NOTICE and event.HasField(
+                    "notice_deadline"
+                ):
+                    deadline = event.notice_deadline.ToNanoseconds() / 1e9
                 yield ClusterEvent(
                     cluster_name=event.cluster_name,
-                    observation=Observation(status, task if status is ClusterStatus.UP else None),
+                    observation=observation(event),
+                    notice_deadline=deadline,
                 )
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                # The events after our seq are gone (or the cloud restarted): start afresh;
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
+                # The events after our seq are gone, or the cloud restarted: start afresh;
                 # the caller wakes every watcher, so nothing missed goes unchecked.
                 self._after_seq = 0
             raise backend_error(exc) from exc
         finally:
             call.cancel()
 
-    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
-        raise BackendError("the sim cloud does not take preemption notices yet")
-
     async def close(self) -> None:
+        if self._loading is not None:
+            self._loading.cancel()
+            await asyncio.gather(self._loading, return_exceptions=True)
+            self._loading = None
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

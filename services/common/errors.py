@@ -49,6 +49,11 @@ class FailedPrecondition(ApiError):
     reason = "FAILED_PRECONDITION"
 
 
+class OutOfRange(ApiError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+    reason = "OUT_OF_RANGE"
+
+
 class PermissionDenied(ApiError):
     code = grpc.StatusCode.PERMISSION_DENIED
     reason = "PERMISSION_DENIED"

@@ -15,23 +15,35 @@ Rules kept here (regions.py has placement and the precheck):
   tried in order, each one recorded; the first with room in the right pool
   (and no injected failure) gets an INIT cluster that is UP after the region's
   launch latency; none -> `NoCapacity` with the regions tried.
-- Preemption: spot clusters only, at `preempt_after_seconds` after UP for the
-  first spot cluster of a (job, task), and/or at an exponential random time
+- Preemption: spot clusters only, decided at `preempt_after_seconds` after UP for
+  the first spot cluster of a (job, task), and/or at an exponential random time
   drawn from the seeded RNG at UP when the region's rate is above 0. The
-  operator may preempt anything, any time. DOWN frees capacity at once.
+  operator may preempt anything, any time. A reclaim decided with the region's
+  `notice_seconds` above 0 (or an operator's notice) is announced at once as a
+  PREEMPTION_NOTICE event carrying the deadline, and happens at the deadline; an
+  earlier reclaim may overtake it, a later one never postpones it. DOWN frees
+  capacity at once; a task that had finished stays readable until termination.
 - Terminate is idempotent and frees capacity; the record stays, with its
-  terminate time. Every status change is an event.
+  terminate time. A live task (UP, not ended) gets SIGTERM first (`sigterm_time`,
+  a line in its log) and the cluster goes `grace` simulated seconds later, or as
+  soon as the task ends or the cluster is preempted; a later Terminate may only
+  shorten the grace. Every status change is an event.
+- Fencing: a launch, a terminate or a notice delivery whose epoch is below the
+  highest launched for the job is refused (`StaleEpoch`, counted); epoch 0 on a
+  terminate or a notice means an operator and is never fenced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 import math
 import random
 
 from services.common.errors import InvalidArgument, NotFound
+from services.simcloud import bounds
 from services.simcloud.clock import Clock, ManualClock, ScaledClock, TimerHeap
 from services.simcloud.clusters import Cluster, ClusterState, TaskState
 from services.simcloud.config import CloudConfig
@@ -45,11 +57,14 @@ from services.simcloud.errors import (
 )
 from services.simcloud.events import EventKind, EventLog
 from services.simcloud.inventory import CloudState, count_violations
-from services.simcloud.regions import LaunchSpec, Region, candidates
+from services.simcloud.regions import LaunchSpec, Region, candidates, check_shape
 
 log = logging.getLogger(__name__)
 
-_UP, _SETUP_END, _RUN_END, _PREEMPT = "up", "setup_end", "run_end", "preempt"
+# Timer kinds. _PREEMPT decides a spot reclaim (announced when the region gives
+# notice); _RECLAIM is a notice's deadline; _KILL ends a graceful terminate.
+_UP, _SETUP_END, _RUN_END = "up", "setup_end", "run_end"
+_PREEMPT, _RECLAIM, _KILL = "preempt", "reclaim", "kill"
 # Timers due within this much real time are fired now rather than slept for.
 _REAL_TOLERANCE = 0.0005
 
@@ -73,6 +88,9 @@ class Cloud:
         self._replaced = 0
         self._stale = 0
         self._stale_terminates = 0
+        self._stale_notices = 0
+        self._notices = 0
+        self._delivered = 0
         self._prechecks = 0
         self._no_capacity = 0
         self.unreachable_until = -math.inf
@@ -103,7 +121,7 @@ class Cloud:
 
     def _fire_due(self, now: float) -> None:
         while (entry := self._timers.pop_due(now)) is not None:
-            due, kind, cluster = entry
+            due, kind, (cluster, message) = entry
             try:
                 if kind == _UP:
                     self._on_up(cluster, due)
@@ -112,13 +130,18 @@ class Cloud:
                 elif kind == _RUN_END:
                     self._on_run_end(cluster, due)
                 elif kind == _PREEMPT and cluster.live:
-                    self._preempt(cluster, due, "preempted (spot)")
+                    notice = self.regions[cluster.region].notice_seconds
+                    self._announce(cluster, due, notice, message)
+                elif kind == _RECLAIM and cluster.live and cluster.notice_deadline == due:
+                    self._preempt(cluster, due, message)
+                elif kind == _KILL and cluster.kill_at == due:
+                    self._terminate(cluster, due, replaced=False)
             except Exception:
                 # A bug in one cluster's timer must not stop time for every other cluster.
                 log.exception("timer failed", extra={"kind": kind, "cluster": cluster.name})
 
-    def _schedule(self, due: float, kind: str, cluster: Cluster) -> None:
-        if self._timers.push(due, kind, cluster):
+    def _schedule(self, due: float, kind: str, cluster: Cluster, message: str = "") -> None:
+        if self._timers.push(due, kind, (cluster, message)):
             self._wake.set()
 
     # --- the cloud API -----------------------------------------------------------------------
@@ -136,6 +159,11 @@ class Cloud:
             CloudUnreachable, StaleEpoch, PrecheckInvalid, PrecheckFailed, NoCapacity.
         """
         self.check_reachable()
+        try:
+            check_shape(spec, self.config)
+        except (PrecheckInvalid, PrecheckFailed):
+            self._prechecks += 1
+            raise
         if spec.epoch < self._epochs.get(spec.job_id, spec.epoch):
             self._stale += 1
             raise StaleEpoch(
@@ -152,7 +180,8 @@ class Cloud:
         now = self.clock.now()
         old = self._by_name.get(spec.cluster_name)
         if old is not None and old.status != ClusterState.TERMINATED:
-            self._terminate(old, now, replaced=old.live)
+            # A cluster whose owner already asked to terminate it is not a surprise.
+            self._terminate(old, now, replaced=old.live and old.kill_at is None)
         tried: list[str] = []
         for region, zones in targets:
             tried.append(region.name)
@@ -223,27 +252,114 @@ class Cloud:
         """The latest cluster of this name, terminated or not."""
         cluster = self._by_name.get(name)
         if cluster is None:
-            raise ClusterNotFound(f"no cluster named {name!r} was ever launched", name=name)
+            raise ClusterNotFound(
+                f"no cluster named {bounds.quote(name)} was ever launched", name=name[:128]
+            )
         return cluster
 
-    def terminate(self, name: str, epoch: int = 0) -> bool:
+    def find(self, name: str) -> Cluster | None:
+        """The latest cluster of this name, or None if it was never launched."""
+        return self._by_name.get(name)
+
+    def _fence(self, cluster: Cluster, epoch: int, what: str) -> None:
+        latest = self._epochs.get(cluster.job_id, 0)
+        if epoch and epoch < latest:
+            raise StaleEpoch(
+                f"stale epoch {epoch} for job {cluster.job_id}: epoch {latest} holds "
+                f"{cluster.name}; {what} refused",
+                job_id=str(cluster.job_id),
+            )
+
+    def terminate(self, name: str, epoch: int = 0, grace: float = 0.0) -> bool:
         """Terminates the cluster of this name; False when there was nothing to terminate.
+
+        See `begin_terminate`; with a grace the cluster is still there on return.
+        """
+        return self.begin_terminate(name, epoch, grace) is not None
+
+    def begin_terminate(self, name: str, epoch: int = 0, grace: float = 0.0) -> Cluster | None:
+        """Starts terminating the cluster of this name; None when there is nothing to end.
+
+        A live task gets SIGTERM (recorded, a line in its log); the cluster ends now
+        when there is no live task or no grace, else `grace` simulated seconds later
+        (sooner if its task ends or it is preempted meanwhile).
 
         Raises:
             StaleEpoch: `epoch` (when given) is below the highest seen for the job.
         """
         cluster = self._by_name.get(name)
         if cluster is None or cluster.status == ClusterState.TERMINATED:
-            return False
-        latest = self._epochs.get(cluster.job_id, 0)
-        if epoch and epoch < latest:
+            return None
+        try:
+            self._fence(cluster, epoch, "terminate")
+        except StaleEpoch:
             self._stale_terminates += 1
-            raise StaleEpoch(
-                f"stale epoch {epoch} for job {cluster.job_id}: epoch {latest} holds {name}",
-                job_id=str(cluster.job_id),
-            )
-        self._terminate(cluster, self.clock.now(), replaced=False)
-        return True
+            raise
+        now = self.clock.now()
+        if cluster.kill_at is not None:
+            # Already under way: a second call may hurry it, never delay it.
+            if now + grace < cluster.kill_at:
+                self._kill_at(cluster, now, grace)
+            return cluster
+        if cluster.task_live:
+            cluster.sigterm_time = now
+            cluster.add_note(now, f"received SIGTERM: terminating, SIGKILL in {grace:g}s")
+            self.events.wake()  # log followers read the note now
+        if cluster.task_live and grace > 0:
+            self._kill_at(cluster, now, grace)
+        else:
+            self._terminate(cluster, now, replaced=False)
+        return cluster
+
+    def _kill_at(self, cluster: Cluster, now: float, grace: float) -> None:
+        if grace <= 0:
+            self._terminate(cluster, now, replaced=False)
+            return
+        cluster.kill_at = now + grace
+        self._schedule(cluster.kill_at, _KILL, cluster)
+
+    async def wait_terminated(self, cluster: Cluster) -> None:
+        """Returns once the cluster is terminated (a caller giving up cancels nothing)."""
+        if cluster.status == ClusterState.TERMINATED:
+            return
+        if cluster.gone is None:
+            cluster.gone = asyncio.get_running_loop().create_future()
+        await asyncio.shield(cluster.gone)
+
+    def notify(self, name: str, epoch: int, deadline: float) -> float | None:
+        """Delivers a preemption notice to the cluster's task: SIGTERM and the notice file.
+
+        Args:
+            name: The cluster.
+            epoch: The caller's epoch for the cluster's job (0: an operator).
+            deadline: When the cluster will be reclaimed, Unix seconds.
+
+        Returns:
+            The simulated time of delivery (of the first one, for a repeat of the same
+            deadline); None when there was no live task to tell.
+
+        Raises:
+            ClusterNotFound: never launched.
+            StaleEpoch: a newer epoch of the job holds the cluster.
+        """
+        cluster = self.get(name)
+        try:
+            self._fence(cluster, epoch, "preemption notice")
+        except StaleEpoch:
+            self._stale_notices += 1
+            raise
+        if not cluster.task_live:
+            return None
+        delivered = cluster.notice_delivered_time
+        if delivered is not None and cluster.notice_delivered_deadline == deadline:
+            return delivered
+        now = self.clock.now()
+        cluster.notice_delivered_time = now
+        cluster.notice_delivered_deadline = deadline
+        self._delivered += 1
+        cluster.add_note(now, f"received SIGTERM: preemption notice, reclaim at {_iso(deadline)}")
+        self.events.wake()  # log followers read the note now
+        return now
 
     # --- the timed life of a cluster -------------------------------------------------------
 
@@ -261,12 +377,14 @@ class Cloud:
         self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, "up")
         if cluster.spot:
             key = (cluster.job_id, cluster.task_id)
+            message = "preempted (spot)"
             if plan.preempt_after is not None and key not in self._scripted:
                 self._scripted.add(key)
-                self._schedule(now + plan.preempt_after, _PREEMPT, cluster)
+                self._schedule(now + plan.preempt_after, _PREEMPT, cluster, message)
             rate = self.regions[cluster.region].preemptions_per_hour
             if rate > 0:
-                self._schedule(now + self.rng.expovariate(rate / 3600.0), _PREEMPT, cluster)
+                draw = self.rng.expovariate(rate / 3600.0)
+                self._schedule(now + draw, _PREEMPT, cluster, message)
         self._settle(cluster)
 
     def _start_run(self, cluster: Cluster, now: float) -> None:
@@ -287,6 +405,7 @@ class Cloud:
             self._start_run(cluster, now)
             message = "setup done"
         self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, message)
+        self._end_if_terminating(cluster, now)
 
     def _on_run_end(self, cluster: Cluster, now: float) -> None:
         if cluster.status != ClusterState.UP or cluster.task_status != TaskState.RUNNING:
@@ -296,11 +415,41 @@ class Cloud:
         cluster.exit_code = code
         cluster.task_end_time = now
         self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, f"run exited with {code}")
+        self._end_if_terminating(cluster, now)
+
+    def _end_if_terminating(self, cluster: Cluster, now: float) -> None:
+        """A graceful terminate ends as soon as there is no live task left to wait for."""
+        if cluster.kill_at is not None and not cluster.task_live:
+            self._terminate(cluster, now, replaced=False)
 
     def _release(self, cluster: Cluster) -> None:
         if cluster.live:
             self.regions[cluster.region].give(cluster.zone, cluster.spot, cluster.num_nodes)
             self._live -= 1
+
+    def _announce(self, cluster: Cluster, now: float, notice: float, message: str) -> float | None:
+        """Reclaims the live cluster after `notice` simulated seconds (0: now).
+
+        Returns:
+            The reclaim's simulated deadline when it was announced, else None.
+        """
+        if notice <= 0:
+            self._preempt(cluster, now, message)
+            return None
+        deadline = now + notice
+        if cluster.notice_deadline is not None and cluster.notice_deadline <= deadline:
+            # Already announced for no later: the first notice stands.
+            return cluster.notice_deadline
+        cluster.notice_deadline = deadline
+        self._notices += 1
+        self._publish(
+            EventKind.PREEMPTION_NOTICE,
+            cluster,
+            now,
+            f"preemption notice: reclaimed in {notice:g}s ({message})",
+        )
+        self._schedule(deadline, _RECLAIM, cluster, message)
+        return deadline
 
     def _preempt(self, cluster: Cluster, now: float, message: str) -> None:
         self._release(cluster)
@@ -310,17 +459,22 @@ class Cloud:
         self._preempted += 1
         self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, message)
         self._settle(cluster)
+        # A graceful terminate has nothing left to wait for.
+        self._end_if_terminating(cluster, now)
 
     def _terminate(self, cluster: Cluster, now: float, replaced: bool) -> None:
         self._release(cluster)
         cluster.status = ClusterState.TERMINATED
         cluster.terminate_time = now
         cluster.replaced = replaced
+        cluster.kill_at = None
         self._terminated += 1
         self._replaced += int(replaced)
         message = "terminated: replaced by a new launch" if replaced else "terminated"
         self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, message)
         self._settle(cluster)
+        if cluster.gone is not None and not cluster.gone.done():
+            cluster.gone.set_result(None)
 
     def _settle(self, cluster: Cluster) -> None:
         """Lets a Launch waiting on this cluster return (UP) or fail (anything else)."""
@@ -335,19 +489,31 @@ class Cloud:
     def region(self, name: str) -> Region:
         region = self.regions.get(name)
         if region is None:
-            raise NotFound(f"unknown region {name!r} (regions: {', '.join(self.regions)})")
+            raise NotFound(
+                f"unknown region {bounds.quote(name)} (regions: {', '.join(self.regions)})",
+                field="region",
+            )
         return region
 
-    def preempt_cluster(self, name: str) -> bool:
-        """Preempts the cluster now; False when it was not INIT or UP."""
+    def preempt_cluster(self, name: str, notice: float = 0.0) -> tuple[bool, float | None]:
+        """Preempts the cluster, now or after a notice of `notice` simulated seconds.
+
+        Returns:
+            Whether it was INIT or UP, and the reclaim's simulated deadline when announced.
+        """
         cluster = self.get(name)
         if not cluster.live:
-            return False
-        self._preempt(cluster, self.clock.now(), "preempted by the operator")
-        return True
+            return False, None
+        return True, self._announce(cluster, self.clock.now(), notice, "preempted by the operator")
 
-    def preempt_region(self, name: str, include_on_demand: bool = False) -> list[str]:
-        """Preempts every live spot (and optionally on-demand) cluster of the region."""
+    def preempt_region(
+        self, name: str, include_on_demand: bool = False, notice: float = 0.0
+    ) -> tuple[list[str], float | None]:
+        """Preempts every live spot (and optionally on-demand) cluster of the region.
+
+        Returns:
+            The clusters hit, and the reclaims' simulated deadline when announced.
+        """
         self.region(name)
         now = self.clock.now()
         hit = [
@@ -356,14 +522,14 @@ class Cloud:
             if c.live and c.region == name and (c.spot or include_on_demand)
         ]
         for cluster in sorted(hit, key=lambda c: c.cluster_id):
-            self._preempt(cluster, now, f"preempted with region {name}")
-        return [c.name for c in hit]
+            self._announce(cluster, now, notice, f"preempted with region {name}")
+        return [c.name for c in hit], (now + notice if hit and notice > 0 else None)
 
     def set_capacity(self, name: str, spot: int | None, on_demand: int | None) -> Region:
         region = self.region(name)
-        for value in (spot, on_demand):
-            if value is not None and value < 0:
-                raise InvalidArgument(f"capacity must not be negative, got {value}")
+        for field, value in (("spot_nodes", spot), ("on_demand_nodes", on_demand)):
+            if value is not None:
+                bounds.integer(value, field, 0, bounds.MAX_CAPACITY)
         if spot is not None:
             region.spot_capacity = spot
         if on_demand is not None:
@@ -377,23 +543,53 @@ class Cloud:
         fail_next_launches: int = 0,
         unreachable_seconds: float = 0.0,
         preemptions_per_hour: float | None = None,
+        notice_seconds: float | None = None,
     ) -> None:
-        """Applies faults to one region, or to all of them when `region` is empty."""
-        values = (launch_latency, fail_next_launches, unreachable_seconds, preemptions_per_hour)
-        for value in values:
-            if value is not None and not (0 <= value < math.inf):
-                raise InvalidArgument(f"fault values must be finite and >= 0, got {value}")
+        """Applies faults to one region, or to all of them when `region` is empty.
+
+        Raises:
+            InvalidArgument: a value out of bounds (nothing is applied), named.
+            NotFound: an unknown region.
+        """
+        for field, value, high in (
+            ("launch_latency_seconds", launch_latency, bounds.MAX_SECONDS),
+            ("unreachable_seconds", unreachable_seconds, bounds.MAX_SECONDS),
+            ("preemptions_per_hour", preemptions_per_hour, bounds.MAX_RATE),
+            ("notice_seconds", notice_seconds, bounds.MAX_SECONDS),
+        ):
+            if value is not None:
+                bounds.number(value, field, high)
+        limit = bounds.MAX_FAILING_LAUNCHES
+        bounds.integer(fail_next_launches, "fail_next_launches", 0, limit)
         targets = [self.region(region)] if region else list(self.regions.values())
+        for target in targets:
+            if target.failing_launches + fail_next_launches > limit:
+                raise InvalidArgument(
+                    f"fail_next_launches: {target.name} would have more than {limit} "
+                    f"launches set to fail ({target.failing_launches} already)",
+                    field="fail_next_launches",
+                )
         for target in targets:
             if launch_latency is not None:
                 target.launch_latency = launch_latency
             if preemptions_per_hour is not None:
                 target.preemptions_per_hour = preemptions_per_hour
+            if notice_seconds is not None:
+                target.notice_seconds = notice_seconds
             target.failing_launches += fail_next_launches
         if unreachable_seconds > 0:
             self.unreachable_until = self.clock.now() + unreachable_seconds
             # Open streams notice the outage and end UNAVAILABLE.
             self.events.wake()
+
+    def reset_faults(self, region: str = "") -> list[Region]:
+        """Undoes injected faults of one region, or of all of them and the outage."""
+        targets = [self.region(region)] if region else list(self.regions.values())
+        for target in targets:
+            target.reset_faults()
+        if not region:
+            self.unreachable_until = -math.inf
+        return targets
 
     def list_inventory(
         self, start: int, size: int, job_id: int | None = None
@@ -420,9 +616,18 @@ class Cloud:
             replaced_total=self._replaced,
             stale_launches_rejected=self._stale,
             stale_terminates_rejected=self._stale_terminates,
+            stale_notices_rejected=self._stale_notices,
+            preemption_notices_total=self._notices,
+            notices_delivered_total=self._delivered,
             launches_rejected_precheck=self._prechecks,
             launches_without_capacity=self._no_capacity,
             violations=count_violations(self.inventory),
             head_seq=self.events.head_seq,
             unreachable_until=self.unreachable_until if self.unreachable_until > now else None,
         )
+
+
+def _iso(unix_seconds: float) -> str:
+    """A Unix time as UTC ISO 8601 to the second, as the notice file's reader would print it."""
+    moment = datetime.datetime.fromtimestamp(unix_seconds, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

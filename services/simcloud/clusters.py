@@ -8,20 +8,27 @@ A cluster goes INIT -> UP after the launch latency; its task then goes
 SETTING_UP for `setup_seconds` (when it has setup), RUNNING for
 `runtime_seconds`, and ends SUCCEEDED (exit code 0), FAILED (non-zero exit code)
 or FAILED_SETUP (non-zero setup exit code, and the run never starts). A
-preempted cluster goes DOWN: it frees its capacity and its task becomes
-unreadable. A terminated one is TERMINATED: gone, log included.
+preempted cluster goes DOWN: it frees its capacity; a task that had finished
+keeps its final status, exit code and end time readable, any other task becomes
+unreadable. A terminated one is TERMINATED: gone, log included (the record keeps
+the task's end as history).
 
 The log is computed, never stored: line i of n is emitted at
 `run_start + runtime * i / n` on every node (prefixed `(rank=r) ` when there are
-several, as the local backend does), so a read at any instant returns a prefix
-of every later read, and a follower sees the same bytes as a reader.
+several, as the local backend does). The only stored lines are the cloud's notes
+of signals delivered to the task (SIGTERM from a preemption notice or a graceful
+terminate): each sits after the lines emitted when it was written. So a read at
+any instant returns a prefix of every later read, and a follower sees the same
+bytes as a reader.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import enum
 import math
+from collections.abc import Iterator
 
 
 class ClusterState(enum.IntEnum):
@@ -48,6 +55,8 @@ HOLDS_CAPACITY = frozenset({ClusterState.INIT, ClusterState.UP})
 TASK_FINISHED = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.FAILED_SETUP})
 
 DEFAULT_RUNTIME_SECONDS = 1.0
+# Signal notes kept in one cluster's log; later ones are recorded but not logged.
+MAX_NOTES = 16
 
 
 class TaskPlan:
@@ -94,9 +103,15 @@ class Cluster:
         "cluster_id",
         "epoch",
         "exit_code",
+        "gone",
         "job_id",
+        "kill_at",
         "launch_time",
         "name",
+        "notes",
+        "notice_deadline",
+        "notice_delivered_deadline",
+        "notice_delivered_time",
         "num_nodes",
         "plan",
         "preempt_time",
@@ -104,6 +119,7 @@ class Cluster:
         "region",
         "replaced",
         "run_start",
+        "sigterm_time",
         "spot",
         "status",
         "task_end_time",
@@ -150,13 +166,42 @@ class Cluster:
         self.terminate_time: float | None = None
         self.preempted = False
         self.replaced = False
+        # Simulated time the pending reclaim is due, once announced.
+        self.notice_deadline: float | None = None
+        # NotifyPreemption: when it was delivered (simulated) and the deadline told (Unix s).
+        self.notice_delivered_time: float | None = None
+        self.notice_delivered_deadline: float | None = None
+        # Terminate: when the live task got SIGTERM, and when the cluster goes (simulated).
+        self.sigterm_time: float | None = None
+        self.kill_at: float | None = None
+        # (plan lines emitted before it, text) for each signal note in the log.
+        self.notes: list[tuple[int, str]] | None = None
         # Resolved when the launch completes or fails; the Launch RPC awaits it.
         self.waiter: asyncio.Future[None] | None = None
+        # Resolved when the cluster is terminated; Terminate RPCs await it.
+        self.gone: asyncio.Future[None] | None = None
 
     @property
     def live(self) -> bool:
         """INIT or UP: holding capacity."""
         return self.status in HOLDS_CAPACITY
+
+    @property
+    def task_finished(self) -> bool:
+        return self.task_status in TASK_FINISHED
+
+    @property
+    def task_live(self) -> bool:
+        """UP with its task not yet ended: something to signal."""
+        return self.status == ClusterState.UP and not self.task_finished
+
+    def readable_task_status(self) -> TaskState | None:
+        """The task's status as the API shows it: while UP, and a finished one while DOWN."""
+        if self.status == ClusterState.UP:
+            return self.task_status
+        if self.status == ClusterState.DOWN and self.task_finished:
+            return self.task_status
+        return None
 
     @property
     def end_time(self) -> float:
@@ -169,6 +214,19 @@ class Cluster:
     def lines(self) -> tuple[str, ...]:
         plan_lines = self.plan.log_lines
         return (f"{self.name}: running",) if plan_lines is None else plan_lines
+
+    def add_note(self, now: float, text: str) -> None:
+        """Writes a line of the cloud's into the task's log, after what is out by `now`."""
+        notes = self.notes if self.notes is not None else []
+        if len(notes) < MAX_NOTES:
+            notes.append((self.lines_emitted(now), text))
+        self.notes = notes
+
+    def entries_emitted(self, now: float) -> int:
+        """How many log entries (plan lines and notes, per node) exist at `now`."""
+        if self.status == ClusterState.TERMINATED:
+            return 0
+        return self.lines_emitted(now) + len(self.notes or ())
 
     def lines_emitted(self, now: float) -> int:
         """How many of the task's lines (per node) exist at simulated time `now`."""
@@ -197,11 +255,41 @@ class Cluster:
         """Whether the log can no longer grow."""
         return not self.live or self.task_status in TASK_FINISHED
 
+    def entries(self, start: int, stop: int) -> Iterator[str]:
+        """The texts of log entries [start, stop): plan lines with the notes among them."""
+        lines = self.lines()
+        notes = self.notes or []
+        # Note j comes after `after_j` plan lines and the j notes before it.
+        positions = [after + j for j, (after, _) in enumerate(notes)]
+        k = bisect.bisect_left(positions, start)
+        plan = start - k
+        for index in range(start, stop):
+            if k < len(notes) and positions[k] == index:
+                yield notes[k][1]
+                k += 1
+            else:
+                yield lines[plan]
+                plan += 1
+
+    def render_chunks(self, start: int, stop: int, limit: int) -> Iterator[bytes]:
+        """Entries [start, stop) of every node as the log's bytes, in chunks of <= `limit`."""
+        out: list[bytes] = []
+        size = 0
+        for text in self.entries(start, stop):
+            for rank in range(self.num_nodes):
+                prefix = f"(rank={rank}) " if self.num_nodes > 1 else ""
+                piece = f"{prefix}{text}\n".encode()
+                if size + len(piece) > limit and out:
+                    yield b"".join(out)
+                    out, size = [], 0
+                while len(piece) > limit:
+                    yield piece[:limit]
+                    piece = piece[limit:]
+                out.append(piece)
+                size += len(piece)
+        if out:
+            yield b"".join(out)
+
     def render(self, start: int, stop: int) -> bytes:
-        """Lines [start, stop) of every node, as the bytes of the log."""
-        lines = self.lines()[start:stop]
-        if self.num_nodes <= 1:
-            return "".join(f"{line}\n" for line in lines).encode()
-        return "".join(
-            f"(rank={rank}) {line}\n" for line in lines for rank in range(self.num_nodes)
-        ).encode()
+        """Entries [start, stop) of every node, as the bytes of the log."""
+        return b"".join(self.render_chunks(start, stop, 1 << 20))

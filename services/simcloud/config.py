@@ -9,6 +9,8 @@ A config is YAML (see examples/simcloud.yaml); without one the cloud is
     max_cpus: 64                  # `resources.cpus` above this is a precheck failure
     launch_latency_seconds: 2     # simulated seconds from Launch to UP (per region too)
     preemptions_per_hour: 0       # random preemptions per spot-cluster-hour (per region too)
+    notice_seconds: 0             # a spot reclaim is announced this long ahead (per region too;
+                                  # AWS gives 120, GCP 30; 0: no notice)
     event_buffer: 100000          # events kept for WatchEvents resume (after_seq)
     regions:                      # tried in this order when the request names none
       - name: us-east-1
@@ -18,9 +20,12 @@ A config is YAML (see examples/simcloud.yaml); without one the cloud is
         accelerators: [A100, H100]
         launch_latency_seconds: 2 # optional, overrides the cloud's
         preemptions_per_hour: 0   # optional, overrides the cloud's
+        notice_seconds: 120       # optional, overrides the cloud's
 
-Invariants: region and zone names are unique across the cloud, every region has at
-least one zone, capacities and durations are not negative, time_scale is positive.
+Invariants: region and zone names are unique across the cloud and are names the API
+accepts (1-128 characters of [A-Za-z0-9._-]), every region has at least one zone,
+capacities and durations are not negative and within the API's bounds
+(services/simcloud/bounds.py), time_scale is positive.
 Unknown keys are errors naming their path, as in job specs.
 """
 
@@ -33,6 +38,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
+
+from services.simcloud import bounds
 
 T = TypeVar("T")
 
@@ -51,6 +58,7 @@ class RegionConfig:
     # None: the cloud's value.
     launch_latency_seconds: float | None = None
     preemptions_per_hour: float | None = None
+    notice_seconds: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +70,7 @@ class CloudConfig:
     max_cpus: float = 64.0
     launch_latency_seconds: float = 2.0
     preemptions_per_hour: float = 0.0
+    notice_seconds: float = 0.0
     event_buffer: int = 100_000
 
     def __post_init__(self) -> None:
@@ -86,30 +95,47 @@ def _validate(config: CloudConfig) -> None:
         raise ConfigError(f"time_scale: must be a positive number, got {config.time_scale}")
     if config.event_buffer < 1:
         raise ConfigError(f"event_buffer: must be at least 1, got {config.event_buffer}")
-    for field in ("max_cpus", "launch_latency_seconds", "preemptions_per_hour"):
-        _non_negative(getattr(config, field), field)
+    _non_negative(config.max_cpus, "max_cpus")
+    for field, high in _TIMED.items():
+        _bounded(getattr(config, field), field, high)
     seen: set[str] = set()
     for index, region in enumerate(config.regions):
         path = f"regions[{index}]"
         if not region.zones:
             raise ConfigError(f"{path}.zones: a region needs at least one zone")
         for name in (region.name, *region.zones):
-            if not name:
-                raise ConfigError(f"{path}: empty region or zone name")
+            if not bounds.NAME_RE.fullmatch(name):
+                raise ConfigError(
+                    f"{path}: region and zone names are {bounds.NAME_RULE}, "
+                    f"got {bounds.quote(name)}"
+                )
             if name in seen:
                 raise ConfigError(f"{path}: {name!r} is declared twice")
             seen.add(name)
         _non_negative(region.spot_nodes, f"{path}.spot_nodes")
         _non_negative(region.on_demand_nodes, f"{path}.on_demand_nodes")
-        for field in ("launch_latency_seconds", "preemptions_per_hour"):
+        for field, high in _TIMED.items():
             value = getattr(region, field)
             if value is not None:
-                _non_negative(value, f"{path}.{field}")
+                _bounded(value, f"{path}.{field}", high)
+
+
+# Per-cloud settings a region may override, with their upper bounds.
+_TIMED = {
+    "launch_latency_seconds": bounds.MAX_SECONDS,
+    "preemptions_per_hour": bounds.MAX_RATE,
+    "notice_seconds": bounds.MAX_SECONDS,
+}
 
 
 def _non_negative(value: float, path: str) -> None:
     if not (value >= 0 and math.isfinite(value)):
         raise ConfigError(f"{path}: must be a finite number >= 0, got {value}")
+
+
+def _bounded(value: float, path: str, high: float) -> None:
+    if not (math.isfinite(value) and 0 <= value <= high):
+        raise ConfigError(f"{path}: must be a finite number from 0 to {high:g}, got {value}")
 
 
 DEFAULT_CONFIG = CloudConfig(
@@ -145,6 +171,7 @@ _REGION_FIELDS: dict[str, Callable[[object, str], Any]] = {
     "accelerators": _names,
     "launch_latency_seconds": _number,
     "preemptions_per_hour": _number,
+    "notice_seconds": _number,
 }
 _CLOUD_FIELDS: dict[str, Callable[[object, str], Any]] = {
     "cloud": _typed(str, "a string"),
@@ -153,6 +180,7 @@ _CLOUD_FIELDS: dict[str, Callable[[object, str], Any]] = {
     "max_cpus": _number,
     "launch_latency_seconds": _number,
     "preemptions_per_hour": _number,
+    "notice_seconds": _number,
     "event_buffer": _typed(int, "an integer"),
     "regions": lambda value, path: value,
 }

@@ -1,21 +1,37 @@
-"""Between the model and simcloud.v1 messages; simulated times become wall-clock Timestamps."""
+"""Between the model and simcloud.v1 messages; simulated times become wall-clock Timestamps.
+
+Timestamps are clamped to the range google.protobuf.Timestamp allows, so no value
+the model holds can make a reply fail to serialize.
+"""
 
 from __future__ import annotations
+
+import math
 
 from google.protobuf import timestamp_pb2
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
+from services.simcloud import bounds
 from services.simcloud.clock import Clock
-from services.simcloud.clusters import DEFAULT_RUNTIME_SECONDS, Cluster, ClusterState, TaskPlan
+from services.simcloud.clusters import DEFAULT_RUNTIME_SECONDS, Cluster, TaskPlan
 from services.simcloud.events import Event
 from services.simcloud.regions import LaunchSpec, Region
 
 
 def timestamp(clock: Clock, sim_seconds: float | None) -> timestamp_pb2.Timestamp | None:
+    """The wall-clock Timestamp of a simulated instant (None stays None)."""
     if sim_seconds is None:
         return None
+    return wall_timestamp(clock.wall(sim_seconds))
+
+
+def wall_timestamp(unix_seconds: float | None) -> timestamp_pb2.Timestamp | None:
+    if unix_seconds is None:
+        return None
+    low, high = bounds.MIN_TIMESTAMP_SECONDS, bounds.MAX_TIMESTAMP_SECONDS
+    clamped = min(max(unix_seconds, low), high) if not math.isnan(unix_seconds) else low
     stamp = timestamp_pb2.Timestamp()
-    stamp.FromNanoseconds(int(clock.wall(sim_seconds) * 1e9))
+    stamp.FromNanoseconds(int(clamped * 1e9))
     return stamp
 
 
@@ -46,6 +62,7 @@ def launch_spec(request: pb.LaunchRequest) -> LaunchSpec:
         region=res.region,
         zone=res.zone,
         cpus=res.cpus,
+        memory=res.memory,
         accelerators=res.accelerators,
         use_spot=res.use_spot,
         num_nodes=res.num_nodes or 1,
@@ -67,7 +84,7 @@ def cluster(clock: Clock, c: Cluster) -> pb.Cluster:
         spot=c.spot,
         num_nodes=c.num_nodes,
         status=int(c.status),  # type: ignore[arg-type]
-        task_status=int(c.task_status) if c.status == ClusterState.UP else 0,  # type: ignore[arg-type]
+        task_status=int(c.readable_task_status() or 0),  # type: ignore[arg-type]
         exit_code=c.exit_code,
         launch_time=timestamp(clock, c.launch_time),
         up_time=timestamp(clock, c.up_time),
@@ -76,6 +93,10 @@ def cluster(clock: Clock, c: Cluster) -> pb.Cluster:
         terminate_time=timestamp(clock, c.terminate_time),
         preempted=c.preempted,
         replaced=c.replaced,
+        notice_deadline=timestamp(clock, c.notice_deadline),
+        notice_delivered_time=timestamp(clock, c.notice_delivered_time),
+        notice_delivered_deadline=wall_timestamp(c.notice_delivered_deadline),
+        sigterm_time=timestamp(clock, c.sigterm_time),
     )
 
 
@@ -93,6 +114,9 @@ def event(clock: Clock, e: Event) -> pb.ClusterEvent:
         cluster_status=int(e.cluster_status),  # type: ignore[arg-type]
         task_status=int(e.task_status or 0),  # type: ignore[arg-type]
         message=e.message,
+        exit_code=e.exit_code if e.task_end_time is not None else 0,
+        task_end_time=timestamp(clock, e.task_end_time),
+        notice_deadline=timestamp(clock, e.notice_deadline),
     )
 
 
@@ -108,4 +132,5 @@ def region(r: Region) -> pb.Region:
         launch_latency_seconds=r.launch_latency,
         preemptions_per_hour=r.preemptions_per_hour,
         failing_launches=r.failing_launches,
+        notice_seconds=r.notice_seconds,
     )

@@ -6,7 +6,10 @@ The model raises them and `rpc_errors` maps them to gRPC statuses at the edge:
   the launch can never succeed, whenever it is retried.
 - `NoCapacity` (RESOURCE_EXHAUSTED): nothing free now; ErrorInfo metadata
   `regions_tried` is the failover history, comma-separated, in order.
-- `StaleEpoch` (FAILED_PRECONDITION): a launch fenced off by a newer epoch.
+- `StaleEpoch` (FAILED_PRECONDITION, reason STALE_EPOCH): a launch, terminate or
+  notice fenced off by a newer epoch of the job.
+- `EventsGone` (FAILED_PRECONDITION): a watch resumed after events no longer kept;
+  `EventsAhead` (OUT_OF_RANGE): one resumed past the head (the cloud restarted).
 - `CloudUnreachable` (UNAVAILABLE): injected outage; conclude nothing.
 """
 
@@ -18,6 +21,7 @@ from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
     NotFound,
+    OutOfRange,
     ResourceExhausted,
     Unavailable,
 )
@@ -39,6 +43,10 @@ class StaleEpoch(FailedPrecondition):
 
 class EventsGone(FailedPrecondition):
     reason = "EVENTS_GONE"
+
+
+class EventsAhead(OutOfRange):
+    reason = "EVENTS_AHEAD"
 
 
 class NoCapacity(ResourceExhausted):

@@ -1,10 +1,14 @@
-"""The event log: every cluster and task status change, numbered, for watchers.
+"""The event log: every cluster and task status change and every preemption notice.
 
 `EventLog.publish` appends an `Event` with the next sequence number (from 1) to
 a bounded ring and wakes every waiter at once. Watchers never get a queue of
 their own: each keeps a cursor (the last seq it sent) and reads what follows it
 from the ring, so a slow watcher costs no memory and a broken stream resumes
 from `after_seq` as long as the ring still holds it (`EventsGone` otherwise).
+
+An event is a whole snapshot of what a watcher decides from: the cluster's
+status, the task's readable status, and once the task finished its exit code and
+end time (still there after a preemption), so a watcher need not ask again.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import contextlib
 import enum
 
 from services.simcloud.clusters import Cluster, ClusterState, TaskState
-from services.simcloud.errors import EventsGone
+from services.simcloud.errors import EventsAhead, EventsGone
 
 
 class EventKind(enum.IntEnum):
@@ -23,6 +27,7 @@ class EventKind(enum.IntEnum):
 
     CLUSTER_STATUS_CHANGED = 1
     TASK_STATUS_CHANGED = 2
+    PREEMPTION_NOTICE = 3
 
 
 class Event:
@@ -32,12 +37,15 @@ class Event:
         "cluster_id",
         "cluster_name",
         "cluster_status",
+        "exit_code",
         "job_id",
         "kind",
         "message",
+        "notice_deadline",
         "region",
         "seq",
         "sim_time",
+        "task_end_time",
         "task_id",
         "task_status",
     )
@@ -54,10 +62,13 @@ class Event:
         self.task_id = cluster.task_id
         self.region = cluster.region
         self.cluster_status: ClusterState = cluster.status
-        # Unreadable (None) unless the cluster is UP, as through GetCluster.
-        self.task_status: TaskState | None = (
-            cluster.task_status if cluster.status == ClusterState.UP else None
-        )
+        # As through GetCluster: readable while UP, and a finished task's while DOWN.
+        self.task_status: TaskState | None = cluster.readable_task_status()
+        self.exit_code = cluster.exit_code
+        # Simulated times; the end only while the task's end is readable.
+        self.task_end_time = cluster.task_end_time if self.task_status is not None else None
+        notice = kind == EventKind.PREEMPTION_NOTICE
+        self.notice_deadline = cluster.notice_deadline if notice else None
         self.message = message
 
     def key(self) -> tuple[int, str, str, int, int, int, str]:
@@ -95,9 +106,17 @@ class EventLog:
         """Up to `limit` events with a sequence number above `seq`.
 
         Raises:
+            EventsAhead: `seq` is past the head (it came from an earlier run of the cloud).
             EventsGone: events right after `seq` were dropped from the ring.
         """
-        if not self._ring or seq >= self.head_seq:
+        if seq > self.head_seq:
+            raise EventsAhead(
+                f"after_seq: {seq} is past the latest event {self.head_seq} "
+                "(the cloud restarted); watch again from now (after_seq 0)",
+                field="after_seq",
+                head_seq=str(self.head_seq),
+            )
+        if not self._ring or seq == self.head_seq:
             return []
         first = self._ring[0].seq
         if seq + 1 < first:

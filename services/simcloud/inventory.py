@@ -28,6 +28,9 @@ class CloudState:
     replaced_total: int
     stale_launches_rejected: int
     stale_terminates_rejected: int
+    stale_notices_rejected: int
+    preemption_notices_total: int
+    notices_delivered_total: int
     launches_rejected_precheck: int
     launches_without_capacity: int
     violations: int

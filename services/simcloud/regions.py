@@ -14,21 +14,24 @@ precheck error when no attempt could ever succeed:
   blocked regions are then left out;
 - unknown cloud, region or zone, a zone outside the region, an accelerator no
   region offers, cpus above the cloud's maximum, or nothing left to try are
-  FAILED_PRECONDITION (`PrecheckFailed`); malformed values (name, cpus,
-  accelerator count, node count) are INVALID_ARGUMENT (`PrecheckInvalid`).
+  FAILED_PRECONDITION (`PrecheckFailed`); malformed or out-of-bounds values
+  (`check_shape`: names, ids, epoch, cpus, accelerator count, node count, the task's
+  durations and log) are INVALID_ARGUMENT (`PrecheckInvalid`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
+from services.simcloud import bounds
 from services.simcloud.clusters import TaskPlan
 from services.simcloud.config import CloudConfig, RegionConfig
 from services.simcloud.errors import PrecheckFailed, PrecheckInvalid
 
-CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _CPUS_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*\+?\s*$")
+_MAX_ACCELERATORS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +46,7 @@ class LaunchSpec:
     region: str = ""
     zone: str = ""
     cpus: str = ""
+    memory: str = ""
     accelerators: str = ""
     use_spot: bool = False
     num_nodes: int = 1
@@ -55,6 +59,8 @@ class Region:
     """One region's pools, usage and injected faults."""
 
     def __init__(self, config: RegionConfig, cloud: CloudConfig) -> None:
+        self.config = config
+        self.cloud_config = cloud
         self.name = config.name
         self.zones = config.zones
         self.accelerators = frozenset(a.lower() for a in config.accelerators)
@@ -63,6 +69,18 @@ class Region:
         self.on_demand_capacity = config.on_demand_nodes
         self.spot_used = 0
         self.on_demand_used = 0
+        self.launch_latency = 0.0
+        self.preemptions_per_hour = 0.0
+        # Simulated seconds between a spot reclaim's notice and the reclaim.
+        self.notice_seconds = 0.0
+        # Launch attempts still to fail (fault injection).
+        self.failing_launches = 0
+        self.reset_faults()
+        self._zone_nodes = dict.fromkeys(config.zones, 0)
+
+    def reset_faults(self) -> None:
+        """Latency, preemption rate and notice as configured; no launch set to fail."""
+        config, cloud = self.config, self.cloud_config
         self.launch_latency = (
             cloud.launch_latency_seconds
             if config.launch_latency_seconds is None
@@ -73,9 +91,10 @@ class Region:
             if config.preemptions_per_hour is None
             else config.preemptions_per_hour
         )
-        # Launch attempts still to fail (fault injection).
+        self.notice_seconds = (
+            cloud.notice_seconds if config.notice_seconds is None else config.notice_seconds
+        )
         self.failing_launches = 0
-        self._zone_nodes = dict.fromkeys(config.zones, 0)
 
     def has_room(self, spot: bool, nodes: int) -> bool:
         if spot:
@@ -109,7 +128,10 @@ def parse_cpus(text: str) -> float | None:
         return None
     match = _CPUS_RE.match(text)
     if not match:
-        raise PrecheckInvalid(f"resources.cpus: cannot read {text!r} (use e.g. 4 or 4+)")
+        raise PrecheckInvalid(
+            f"resources.cpus: cannot read {bounds.quote(text)} (use e.g. 4 or 4+)",
+            field="resources.cpus",
+        )
     return float(match.group(1))
 
 
@@ -117,20 +139,22 @@ def parse_accelerator(text: str) -> str | None:
     """`"A100:8"` or `"A100"` -> "A100"; "" -> None.
 
     Raises:
-        PrecheckInvalid: a missing type or a count that is not a positive number.
+        PrecheckInvalid: a missing type or a count that is not a number from 1 to 1024
+            (fractions of one accelerator allowed).
     """
     if not text.strip():
         return None
     kind, _, count = text.partition(":")
+    field = "resources.accelerators"
     if not kind.strip():
-        raise PrecheckInvalid(f"resources.accelerators: no accelerator type in {text!r}")
+        raise PrecheckInvalid(f"{field}: no accelerator type in {bounds.quote(text)}", field=field)
     if count:
         try:
-            valid = float(count) > 0
+            number = float(count)
         except ValueError:
-            valid = False
-        if not valid:
-            raise PrecheckInvalid(f"resources.accelerators: bad count in {text!r}")
+            number = math.nan
+        if not 0 < number <= _MAX_ACCELERATORS:
+            raise PrecheckInvalid(f"{field}: bad count in {bounds.quote(text)}", field=field)
     return kind.strip()
 
 
@@ -140,23 +164,24 @@ def candidates(
     """The regions to try in order, each with its allowed zones.
 
     Raises:
-        PrecheckInvalid: a malformed request.
-        PrecheckFailed: a request that no region of this cloud can ever serve.
+        PrecheckFailed: a request that no region of this cloud can ever serve (its
+            shape is checked first, by `check_shape`).
     """
-    _check_shape(spec, config)
     zone_region = {zone: r for r in regions.values() for zone in r.zones}
     if spec.cloud and spec.cloud.lower() != config.cloud.lower():
         raise PrecheckFailed(
-            f"unknown cloud {spec.cloud!r}: this is the {config.cloud!r} cloud", field="cloud"
+            f"unknown cloud {bounds.quote(spec.cloud)}: this is the {config.cloud!r} cloud",
+            field="cloud",
         )
     if spec.region and spec.region not in regions:
         raise PrecheckFailed(
-            f"unknown region {spec.region!r} (regions: {', '.join(regions)})", field="region"
+            f"unknown region {bounds.quote(spec.region)} (regions: {', '.join(regions)})",
+            field="region",
         )
     if spec.zone:
         owner = zone_region.get(spec.zone)
         if owner is None:
-            raise PrecheckFailed(f"unknown zone {spec.zone!r}", field="zone")
+            raise PrecheckFailed(f"unknown zone {bounds.quote(spec.zone)}", field="zone")
         if spec.region and owner.name != spec.region:
             raise PrecheckFailed(
                 f"zone {spec.zone!r} is in {owner.name}, not {spec.region}", field="zone"
@@ -166,7 +191,9 @@ def candidates(
     if spec.candidate_regions:
         unknown = [name for name in spec.candidate_regions if name not in regions]
         if unknown:
-            raise PrecheckFailed(f"unknown candidate regions {unknown}", field="candidate_regions")
+            raise PrecheckFailed(
+                f"unknown candidate regions {bounds.quote(unknown)}", field="candidate_regions"
+            )
         allowed = {r.name for r in order}
         order = [regions[n] for n in dict.fromkeys(spec.candidate_regions) if n in allowed]
     accelerator = parse_accelerator(spec.accelerators)
@@ -174,7 +201,8 @@ def candidates(
         offered_anywhere = any(accelerator.lower() in r.accelerators for r in regions.values())
         if not offered_anywhere:
             raise PrecheckFailed(
-                f"accelerator {accelerator!r} is not offered by this cloud", field="accelerators"
+                f"accelerator {bounds.quote(accelerator)} is not offered by this cloud",
+                field="accelerators",
             )
         order = [r for r in order if accelerator.lower() in r.accelerators]
     blocked = set(spec.blocked_regions)
@@ -189,22 +217,36 @@ def candidates(
     return [(r, (spec.zone,) if spec.zone else r.zones) for r in left]
 
 
-def _check_shape(spec: LaunchSpec, config: CloudConfig) -> None:
-    if not CLUSTER_NAME_RE.fullmatch(spec.cluster_name):
-        raise PrecheckInvalid(f"invalid cluster name {spec.cluster_name!r}", field="cluster_name")
-    if spec.num_nodes < 1:
-        raise PrecheckInvalid(f"num_nodes must be >= 1, not {spec.num_nodes}", field="num_nodes")
+def check_shape(spec: LaunchSpec, config: CloudConfig) -> None:
+    """Every field of a launch within its bounds (services/simcloud/bounds.py).
+
+    Raises:
+        PrecheckInvalid: the first field out of bounds, named.
+    """
+    err = PrecheckInvalid
+    bounds.name(spec.cluster_name, "cluster_name", error=err)
+    bounds.integer(spec.job_id, "job_id", error=err)
+    bounds.integer(spec.task_id, "task_id", error=err)
+    bounds.integer(spec.epoch, "epoch", error=err)
+    bounds.integer(spec.num_nodes, "resources.num_nodes", 1, bounds.MAX_NODES, error=err)
+    for field in ("cloud", "region", "zone"):
+        bounds.name(getattr(spec, field), f"resources.{field}", optional=True, error=err)
+    for field in ("cpus", "memory", "accelerators"):
+        bounds.text(getattr(spec, field), f"resources.{field}", error=err)
+    bounds.names(spec.candidate_regions, "candidate_regions", bounds.MAX_REGION_LIST, error=err)
+    bounds.names(spec.blocked_regions, "blocked_regions", bounds.MAX_REGION_LIST, error=err)
     cpus = parse_cpus(spec.cpus)
     if cpus is not None and cpus > config.max_cpus:
         raise PrecheckFailed(
-            f"resources.cpus: {spec.cpus} is more than the {config.max_cpus:g} CPUs "
-            "any instance of this cloud has",
+            f"resources.cpus: {bounds.quote(spec.cpus)} is more than the {config.max_cpus:g} "
+            "CPUs any instance of this cloud has",
             field="cpus",
         )
+    parse_accelerator(spec.accelerators)
     plan = spec.plan
-    durations = [("runtime_seconds", plan.runtime), ("setup_seconds", plan.setup_seconds)]
+    bounds.number(plan.runtime, "behavior.runtime_seconds", error=err)
+    bounds.number(plan.setup_seconds, "behavior.setup_seconds", error=err)
     if plan.preempt_after is not None:
-        durations.append(("preempt_after_seconds", plan.preempt_after))
-    for name, value in durations:
-        if not value >= 0 or value == float("inf"):
-            raise PrecheckInvalid(f"sim.{name} must be a finite number >= 0, not {value}")
+        bounds.number(plan.preempt_after, "behavior.preempt_after_seconds", error=err)
+    if plan.log_lines is not None:
+        bounds.log_lines(plan.log_lines, "behavior.log_lines")

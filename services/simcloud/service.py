@@ -1,9 +1,10 @@
 """The sim cloud's gRPC servicers: the cloud API and the operator API.
 
-Handlers translate messages to the model and back; every error is an `ApiError`
-raised by the model and mapped at this edge by `rpc_errors`. The cloud API
-honours injected outages (UNAVAILABLE); the operator API always answers, so a
-test can end the outage it started.
+Handlers check every field of a request against bounds.py first (INVALID_ARGUMENT
+naming the field), then translate messages to the model and back; every error is
+an `ApiError` raised by the model or the checks and mapped at this edge by
+`rpc_errors`. The cloud API honours injected outages (UNAVAILABLE); the operator
+API always answers, so a test can end the outage it started (ResetFaults).
 
 Streams hold no state of their own beyond a cursor: ReadLogs recomputes the log
 of its cluster record, WatchEvents reads the event ring after its last seq.
@@ -14,6 +15,7 @@ line is due.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,9 +24,8 @@ import grpc
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
 from services.common.errors import InvalidArgument, rpc_errors
-from services.simcloud import convert
+from services.simcloud import bounds, convert
 from services.simcloud.cloud import Cloud
-from services.simcloud.errors import EventsGone
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +34,7 @@ CLOUD_SERVICE = "managedjobs.simcloud.v1.SimCloudService"
 OPERATOR_SERVICE = "managedjobs.simcloud.v1.SimOperatorService"
 LOG_CHUNK = 64 * 1024
 DEFAULT_PAGE = 1000
-MAX_PAGE = 10_000
+_PAGE_TOKEN_RE = re.compile(r"[0-9]{1,19}")
 
 
 class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
@@ -57,22 +58,69 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
     async def GetCluster(
         self, request: pb.GetClusterRequest, context: Context
     ) -> pb.GetClusterResponse:
+        bounds.name(request.cluster_name, "cluster_name")
         self.cloud.check_reachable()
         cluster = self.cloud.get(request.cluster_name)
         return pb.GetClusterResponse(cluster=convert.cluster(self.cloud.clock, cluster))
 
     @rpc_errors
+    async def GetClusters(
+        self, request: pb.GetClustersRequest, context: Context
+    ) -> pb.GetClustersResponse:
+        names = request.cluster_names
+        if not names:
+            raise InvalidArgument("cluster_names: name at least one cluster", field="cluster_names")
+        bounds.names(names, "cluster_names", bounds.MAX_NAMES_PER_CALL)
+        self.cloud.check_reachable()
+        reply = pb.GetClustersResponse()
+        for name in dict.fromkeys(names):
+            cluster = self.cloud.find(name)
+            if cluster is None:
+                reply.unknown_cluster_names.append(name)
+            else:
+                reply.clusters.append(convert.cluster(self.cloud.clock, cluster))
+        return reply
+
+    @rpc_errors
     async def Terminate(
         self, request: pb.TerminateRequest, context: Context
     ) -> pb.TerminateResponse:
+        bounds.name(request.cluster_name, "cluster_name")
+        bounds.integer(request.epoch, "epoch")
+        grace = bounds.number(request.grace_seconds, "grace_seconds")
         self.cloud.check_reachable()
-        terminated = self.cloud.terminate(request.cluster_name, epoch=request.epoch)
-        return pb.TerminateResponse(terminated=terminated)
+        cluster = self.cloud.begin_terminate(request.cluster_name, request.epoch, grace)
+        if cluster is None:
+            return pb.TerminateResponse(terminated=False)
+        # The grace runs on the cloud's clock: a caller that gives up cancels nothing.
+        await self.cloud.wait_terminated(cluster)
+        return pb.TerminateResponse(terminated=True, signalled=cluster.sigterm_time is not None)
+
+    @rpc_errors
+    async def NotifyPreemption(
+        self, request: pb.NotifyPreemptionRequest, context: Context
+    ) -> pb.NotifyPreemptionResponse:
+        bounds.name(request.cluster_name, "cluster_name")
+        bounds.integer(request.epoch, "epoch")
+        if not request.HasField("deadline"):
+            raise InvalidArgument("deadline: required", field="deadline")
+        deadline = bounds.timestamp(request.deadline, "deadline")
+        self.cloud.check_reachable()
+        delivered = self.cloud.notify(request.cluster_name, request.epoch, deadline)
+        log.info(
+            "preemption notice",
+            extra={"cluster": request.cluster_name, "delivered": delivered is not None},
+        )
+        return pb.NotifyPreemptionResponse(
+            delivered=delivered is not None,
+            delivered_time=convert.timestamp(self.cloud.clock, delivered),
+        )
 
     @rpc_errors
     async def ReadLogs(
         self, request: pb.ReadLogsRequest, context: Context
     ) -> AsyncIterator[pb.ReadLogsResponse]:
+        bounds.name(request.cluster_name, "cluster_name")
         self.cloud.check_reachable()
         cluster = self.cloud.get(request.cluster_name)
         clock = self.cloud.clock
@@ -80,15 +128,15 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
         while True:
             # Whether the log is final is decided before reading it, so nothing is missed.
             final = cluster.log_final()
-            emitted = cluster.lines_emitted(clock.now())
+            emitted = cluster.entries_emitted(clock.now())
             if emitted > sent:
-                data = cluster.render(sent, emitted)
+                chunks = cluster.render_chunks(sent, emitted, LOG_CHUNK)
                 sent = emitted
-                for start in range(0, len(data), LOG_CHUNK):
-                    yield pb.ReadLogsResponse(data=data[start : start + LOG_CHUNK])
+                for chunk in chunks:
+                    yield pb.ReadLogsResponse(data=chunk)
             if not request.follow or final:
                 return
-            due = cluster.next_line_time(sent)
+            due = cluster.next_line_time(cluster.lines_emitted(clock.now()))
             timeout = None if due is None else max(0.001, clock.real_delay(due - clock.now()))
             await self.cloud.events.wait(timeout)
             self.cloud.check_reachable()
@@ -99,14 +147,10 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
     ) -> AsyncIterator[pb.WatchEventsResponse]:
         self.cloud.check_reachable()
         events = self.cloud.events
-        if request.after_seq > events.head_seq:
-            raise EventsGone(
-                f"after_seq {request.after_seq} is ahead of the latest event "
-                f"{events.head_seq} (the cloud restarted); watch again from now",
-                head_seq=str(events.head_seq),
-            )
         cursor = request.after_seq or events.head_seq
-        events.after(cursor, limit=0)  # EventsGone now rather than after the hello
+        # OUT_OF_RANGE (past the head) or FAILED_PRECONDITION (no longer kept) now,
+        # rather than after the hello.
+        events.after(cursor, limit=0)
         yield pb.WatchEventsResponse(head_seq=events.head_seq)
         while True:
             batch = events.after(cursor)
@@ -141,22 +185,39 @@ class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
     async def PreemptCluster(
         self, request: pb.PreemptClusterRequest, context: Context
     ) -> pb.PreemptClusterResponse:
-        preempted = self.cloud.preempt_cluster(request.cluster_name)
-        log.info("preempt cluster", extra={"cluster": request.cluster_name, "hit": preempted})
-        return pb.PreemptClusterResponse(preempted=preempted)
+        bounds.name(request.cluster_name, "cluster_name")
+        notice = bounds.number(request.notice_seconds, "notice_seconds")
+        preempted, deadline = self.cloud.preempt_cluster(request.cluster_name, notice)
+        log.info(
+            "preempt cluster",
+            extra={"cluster": request.cluster_name, "hit": preempted, "notice": notice},
+        )
+        return pb.PreemptClusterResponse(
+            preempted=preempted, deadline=convert.timestamp(self.cloud.clock, deadline)
+        )
 
     @rpc_errors
     async def PreemptRegion(
         self, request: pb.PreemptRegionRequest, context: Context
     ) -> pb.PreemptRegionResponse:
-        names = self.cloud.preempt_region(request.region, request.include_on_demand)
-        log.info("preempt region", extra={"region": request.region, "clusters": len(names)})
-        return pb.PreemptRegionResponse(cluster_names=names)
+        bounds.name(request.region, "region")
+        notice = bounds.number(request.notice_seconds, "notice_seconds")
+        names, deadline = self.cloud.preempt_region(
+            request.region, request.include_on_demand, notice
+        )
+        log.info(
+            "preempt region",
+            extra={"region": request.region, "clusters": len(names), "notice": notice},
+        )
+        return pb.PreemptRegionResponse(
+            cluster_names=names, deadline=convert.timestamp(self.cloud.clock, deadline)
+        )
 
     @rpc_errors
     async def SetCapacity(
         self, request: pb.SetCapacityRequest, context: Context
     ) -> pb.SetCapacityResponse:
+        bounds.name(request.region, "region")
         region = self.cloud.set_capacity(
             request.region,
             request.spot_nodes if request.HasField("spot_nodes") else None,
@@ -172,8 +233,7 @@ class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
     async def InjectFaults(
         self, request: pb.InjectFaultsRequest, context: Context
     ) -> pb.InjectFaultsResponse:
-        if request.fail_next_launches < 0:
-            raise InvalidArgument("fail_next_launches must not be negative")
+        bounds.name(request.region, "region", optional=True)
         self.cloud.inject_faults(
             region=request.region,
             launch_latency=(
@@ -186,24 +246,36 @@ class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
             preemptions_per_hour=(
                 request.preemptions_per_hour if request.HasField("preemptions_per_hour") else None
             ),
+            notice_seconds=(request.notice_seconds if request.HasField("notice_seconds") else None),
         )
         log.info("faults injected", extra={"region": request.region or "*"})
         return pb.InjectFaultsResponse()
 
     @rpc_errors
+    async def ResetFaults(
+        self, request: pb.ResetFaultsRequest, context: Context
+    ) -> pb.ResetFaultsResponse:
+        bounds.name(request.region, "region", optional=True)
+        regions = self.cloud.reset_faults(request.region)
+        log.info("faults reset", extra={"region": request.region or "*"})
+        return pb.ResetFaultsResponse(regions=[convert.region(r) for r in regions])
+
+    @rpc_errors
     async def ListInventory(
         self, request: pb.ListInventoryRequest, context: Context
     ) -> pb.ListInventoryResponse:
-        if request.page_size < 0:
-            raise InvalidArgument("page_size must not be negative", field="page_size")
-        size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
-        try:
-            start = int(request.page_token or "0")
-        except ValueError:
-            start = -1
-        if start < 0:
-            raise InvalidArgument(f"bad page_token {request.page_token!r}", field="page_token")
+        size = bounds.integer(request.page_size, "page_size", 0, bounds.MAX_PAGE) or DEFAULT_PAGE
+        token = request.page_token
+        start = int(token) if _PAGE_TOKEN_RE.fullmatch(token) else -1
+        if token and not 0 <= start <= len(self.cloud.inventory):
+            raise InvalidArgument(
+                f"page_token: not a token this cloud gave, got {bounds.quote(token)}",
+                field="page_token",
+            )
+        start = max(start, 0)
         job_id = request.job_id if request.HasField("job_id") else None
+        if job_id is not None:
+            bounds.integer(job_id, "job_id")
         clusters, next_start = self.cloud.list_inventory(start, size, job_id)
         return pb.ListInventoryResponse(
             clusters=[convert.cluster(self.cloud.clock, c) for c in clusters],
@@ -230,6 +302,9 @@ class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
             replaced_total=state.replaced_total,
             stale_launches_rejected=state.stale_launches_rejected,
             stale_terminates_rejected=state.stale_terminates_rejected,
+            stale_notices_rejected=state.stale_notices_rejected,
+            preemption_notices_total=state.preemption_notices_total,
+            notices_delivered_total=state.notices_delivered_total,
             launches_rejected_precheck=state.launches_rejected_precheck,
             launches_without_capacity=state.launches_without_capacity,
             violations=state.violations,

@@ -32,7 +32,9 @@ class _ClusterStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Cluster
     CLUSTER_STATUS_UP: _ClusterStatus.ValueType  # 2
     """Up (holds capacity); its task status is readable."""
     CLUSTER_STATUS_DOWN: _ClusterStatus.ValueType  # 3
-    """Preempted: capacity freed, task unreadable, not yet terminated by its owner."""
+    """Preempted: capacity freed, not yet terminated by its owner. A task that had
+    finished stays readable (status, exit code, end time); any other is unreadable.
+    """
     CLUSTER_STATUS_TERMINATED: _ClusterStatus.ValueType  # 4
     """Terminated: gone."""
 
@@ -44,7 +46,9 @@ CLUSTER_STATUS_INIT: ClusterStatus.ValueType  # 1
 CLUSTER_STATUS_UP: ClusterStatus.ValueType  # 2
 """Up (holds capacity); its task status is readable."""
 CLUSTER_STATUS_DOWN: ClusterStatus.ValueType  # 3
-"""Preempted: capacity freed, task unreadable, not yet terminated by its owner."""
+"""Preempted: capacity freed, not yet terminated by its owner. A task that had
+finished stays readable (status, exit code, end time); any other is unreadable.
+"""
 CLUSTER_STATUS_TERMINATED: ClusterStatus.ValueType  # 4
 """Terminated: gone."""
 Global___ClusterStatus: _TypeAlias = ClusterStatus  # noqa: Y015
@@ -56,7 +60,7 @@ class _TaskStatus:
 class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus.ValueType], _builtins.type):
     DESCRIPTOR: _descriptor.EnumDescriptor
     TASK_STATUS_UNSPECIFIED: _TaskStatus.ValueType  # 0
-    """Also: unreadable, because the cluster is not UP."""
+    """Also: unreadable (the cluster is INIT or terminated, or DOWN before the task ended)."""
     TASK_STATUS_PENDING: _TaskStatus.ValueType  # 1
     TASK_STATUS_SETTING_UP: _TaskStatus.ValueType  # 2
     TASK_STATUS_RUNNING: _TaskStatus.ValueType  # 3
@@ -67,7 +71,7 @@ class _TaskStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskStatus
 class TaskStatus(_TaskStatus, metaclass=_TaskStatusEnumTypeWrapper): ...
 
 TASK_STATUS_UNSPECIFIED: TaskStatus.ValueType  # 0
-"""Also: unreadable, because the cluster is not UP."""
+"""Also: unreadable (the cluster is INIT or terminated, or DOWN before the task ended)."""
 TASK_STATUS_PENDING: TaskStatus.ValueType  # 1
 TASK_STATUS_SETTING_UP: TaskStatus.ValueType  # 2
 TASK_STATUS_RUNNING: TaskStatus.ValueType  # 3
@@ -87,6 +91,8 @@ class _EventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EventKind.V
     """INIT, UP, DOWN (preempted) or TERMINATED."""
     EVENT_KIND_TASK_STATUS_CHANGED: _EventKind.ValueType  # 2
     """SETTING_UP, RUNNING or a finished status."""
+    EVENT_KIND_PREEMPTION_NOTICE: _EventKind.ValueType  # 3
+    """The cluster will be reclaimed at `notice_deadline` (a spot preemption notice)."""
 
 class EventKind(_EventKind, metaclass=_EventKindEnumTypeWrapper): ...
 
@@ -95,6 +101,8 @@ EVENT_KIND_CLUSTER_STATUS_CHANGED: EventKind.ValueType  # 1
 """INIT, UP, DOWN (preempted) or TERMINATED."""
 EVENT_KIND_TASK_STATUS_CHANGED: EventKind.ValueType  # 2
 """SETTING_UP, RUNNING or a finished status."""
+EVENT_KIND_PREEMPTION_NOTICE: EventKind.ValueType  # 3
+"""The cluster will be reclaimed at `notice_deadline` (a spot preemption notice)."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
@@ -123,7 +131,7 @@ class Resources(_message.Message):
     """"A100" or "A100:8"; only regions offering the type are candidates."""
     use_spot: _builtins.bool
     num_nodes: _builtins.int
-    """Nodes count against the region's spot or on-demand pool; 0 means 1."""
+    """Nodes count against the region's spot or on-demand pool; 0 means 1; at most 1000."""
     def __init__(
         self,
         *,
@@ -178,7 +186,7 @@ class TaskBehavior(_message.Message):
     LOG_LINES_FIELD_NUMBER: _builtins.int
     PREEMPT_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     runtime_seconds: _builtins.float
-    """Simulated seconds the run takes; 1 when unset."""
+    """Simulated seconds the run takes; 1 when unset. Durations here are 0..1e10."""
     setup_seconds: _builtins.float
     """Simulated seconds setup takes; setup runs when > 0, when `has_setup` or when
     setup_exit_code is non-zero.
@@ -189,12 +197,15 @@ class TaskBehavior(_message.Message):
     setup_exit_code: _builtins.int
     """Non-zero: the task ends FAILED_SETUP and never runs."""
     preempt_after_seconds: _builtins.float
-    """The first spot cluster of this (job, task) is preempted this many simulated
-    seconds after it is UP; later clusters of the task are not.
+    """The first spot cluster of this (job, task) is reclaimed this many simulated
+    seconds after it is UP (announced then; DOWN `notice_seconds` of its region
+    later); later clusters of the task are not.
     """
     @_builtins.property
     def log_lines(self) -> Global___LogLines:
-        """Emitted evenly over the runtime; when unset: one line "<cluster_name>: running"."""
+        """Emitted evenly over the runtime; when unset: one line "<cluster_name>: running".
+        At most 100000 lines and 1 MiB.
+        """
 
     def __init__(
         self,
@@ -236,18 +247,22 @@ class LaunchRequest(_message.Message):
     BEHAVIOR_FIELD_NUMBER: _builtins.int
     cluster_name: _builtins.str
     job_id: _builtins.int
+    """>= 0."""
     task_id: _builtins.int
+    """>= 0."""
     epoch: _builtins.int
-    """Fencing token: lower than one already seen for the job is FAILED_PRECONDITION."""
+    """Fencing token (>= 0): lower than one already seen for the job is
+    FAILED_PRECONDITION with reason STALE_EPOCH.
+    """
     @_builtins.property
     def resources(self) -> Global___Resources: ...
     @_builtins.property
     def candidate_regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """When non-empty, only these regions (in this order) are tried."""
+        """When non-empty, only these regions (in this order) are tried; at most 64."""
 
     @_builtins.property
     def blocked_regions(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Never tried."""
+        """Never tried; at most 64."""
 
     @_builtins.property
     def behavior(self) -> Global___TaskBehavior: ...
@@ -322,6 +337,10 @@ class Cluster(_message.Message):
     TERMINATE_TIME_FIELD_NUMBER: _builtins.int
     PREEMPTED_FIELD_NUMBER: _builtins.int
     REPLACED_FIELD_NUMBER: _builtins.int
+    NOTICE_DEADLINE_FIELD_NUMBER: _builtins.int
+    NOTICE_DELIVERED_TIME_FIELD_NUMBER: _builtins.int
+    NOTICE_DELIVERED_DEADLINE_FIELD_NUMBER: _builtins.int
+    SIGTERM_TIME_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """Unique per launch; a name is reused across attempts, an id never."""
     name: _builtins.str
@@ -334,22 +353,48 @@ class Cluster(_message.Message):
     num_nodes: _builtins.int
     status: Global___ClusterStatus.ValueType
     task_status: Global___TaskStatus.ValueType
-    """UNSPECIFIED unless the cluster is UP."""
+    """The task's status while the cluster is UP; its final status also while DOWN;
+    UNSPECIFIED otherwise (unreadable).
+    """
     exit_code: _builtins.int
-    """The task's exit code, once it finished."""
+    """The task's exit code (of setup, for FAILED_SETUP), once it finished."""
     preempted: _builtins.bool
     replaced: _builtins.bool
-    """Terminated by a launch of the same name while still INIT or UP."""
+    """Terminated by a launch of the same name while still INIT or UP (and no Terminate
+    under way).
+    """
     @_builtins.property
     def launch_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def up_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
-    def task_end_time(self) -> _timestamp_pb2.Timestamp: ...
+    def task_end_time(self) -> _timestamp_pb2.Timestamp:
+        """When the task finished; kept after the cluster went DOWN and, as history, after
+        it was terminated.
+        """
+
     @_builtins.property
     def preempt_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def terminate_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def notice_deadline(self) -> _timestamp_pb2.Timestamp:
+        """Set once a preemption notice was announced: when the cluster is (or was to be)
+        reclaimed.
+        """
+
+    @_builtins.property
+    def notice_delivered_time(self) -> _timestamp_pb2.Timestamp:
+        """When NotifyPreemption delivered SIGTERM and the notice file to the task."""
+
+    @_builtins.property
+    def notice_delivered_deadline(self) -> _timestamp_pb2.Timestamp:
+        """The deadline the delivered notice file holds."""
+
+    @_builtins.property
+    def sigterm_time(self) -> _timestamp_pb2.Timestamp:
+        """When Terminate sent SIGTERM to the live task (the cluster went after the grace)."""
+
     def __init__(
         self,
         *,
@@ -372,10 +417,14 @@ class Cluster(_message.Message):
         terminate_time: _timestamp_pb2.Timestamp | None = ...,
         preempted: _builtins.bool = ...,
         replaced: _builtins.bool = ...,
+        notice_deadline: _timestamp_pb2.Timestamp | None = ...,
+        notice_delivered_time: _timestamp_pb2.Timestamp | None = ...,
+        notice_delivered_deadline: _timestamp_pb2.Timestamp | None = ...,
+        sigterm_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["launch_time", b"launch_time", "preempt_time", b"preempt_time", "task_end_time", b"task_end_time", "terminate_time", b"terminate_time", "up_time", b"up_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["launch_time", b"launch_time", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "preempt_time", b"preempt_time", "sigterm_time", b"sigterm_time", "task_end_time", b"task_end_time", "terminate_time", b"terminate_time", "up_time", b"up_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "launch_time", b"launch_time", "name", b"name", "num_nodes", b"num_nodes", "preempt_time", b"preempt_time", "preempted", b"preempted", "region", b"region", "replaced", b"replaced", "spot", b"spot", "status", b"status", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status", "terminate_time", b"terminate_time", "up_time", b"up_time", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "launch_time", b"launch_time", "name", b"name", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "num_nodes", b"num_nodes", "preempt_time", b"preempt_time", "preempted", b"preempted", "region", b"region", "replaced", b"replaced", "sigterm_time", b"sigterm_time", "spot", b"spot", "status", b"status", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status", "terminate_time", b"terminate_time", "up_time", b"up_time", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -421,25 +470,79 @@ class GetClusterResponse(_message.Message):
 Global___GetClusterResponse: _TypeAlias = GetClusterResponse  # noqa: Y015
 
 @_typing.final
+class GetClustersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cluster_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """1..1000 names; a name asked twice is answered once."""
+
+    def __init__(
+        self,
+        *,
+        cluster_names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_names", b"cluster_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClustersRequest: _TypeAlias = GetClustersRequest  # noqa: Y015
+
+@_typing.final
+class GetClustersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTERS_FIELD_NUMBER: _builtins.int
+    UNKNOWN_CLUSTER_NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def clusters(self) -> _containers.RepeatedCompositeFieldContainer[Global___Cluster]:
+        """The latest cluster of each name ever launched, in the order asked."""
+
+    @_builtins.property
+    def unknown_cluster_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The names asked for that were never launched."""
+
+    def __init__(
+        self,
+        *,
+        clusters: _abc.Iterable[Global___Cluster] | None = ...,
+        unknown_cluster_names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["clusters", b"clusters", "unknown_cluster_names", b"unknown_cluster_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetClustersResponse: _TypeAlias = GetClustersResponse  # noqa: Y015
+
+@_typing.final
 class TerminateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLUSTER_NAME_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    GRACE_SECONDS_FIELD_NUMBER: _builtins.int
     cluster_name: _builtins.str
     epoch: _builtins.int
     """The caller's assignment epoch for the cluster's job; 0 for operators. A call
     below the highest epoch seen for that job is refused (fencing).
     """
+    grace_seconds: _builtins.float
+    """Simulated seconds between SIGTERM to a live task and the end of the cluster."""
     def __init__(
         self,
         *,
         cluster_name: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        grace_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "epoch", b"epoch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "epoch", b"epoch", "grace_seconds", b"grace_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -450,20 +553,85 @@ class TerminateResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     TERMINATED_FIELD_NUMBER: _builtins.int
+    SIGNALLED_FIELD_NUMBER: _builtins.int
     terminated: _builtins.bool
     """False when there was nothing left to terminate."""
+    signalled: _builtins.bool
+    """True when a live task was sent SIGTERM (see Cluster.sigterm_time)."""
     def __init__(
         self,
         *,
         terminated: _builtins.bool = ...,
+        signalled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["terminated", b"terminated"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["signalled", b"signalled", "terminated", b"terminated"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TerminateResponse: _TypeAlias = TerminateResponse  # noqa: Y015
+
+@_typing.final
+class NotifyPreemptionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    cluster_name: _builtins.str
+    epoch: _builtins.int
+    """The caller's assignment epoch for the cluster's job; 0 for operators. A call
+    below the highest epoch seen for that job is refused (fencing).
+    """
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """When the cluster will be reclaimed: what the notice file holds. Required."""
+
+    def __init__(
+        self,
+        *,
+        cluster_name: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "deadline", b"deadline", "epoch", b"epoch"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyPreemptionRequest: _TypeAlias = NotifyPreemptionRequest  # noqa: Y015
+
+@_typing.final
+class NotifyPreemptionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERED_FIELD_NUMBER: _builtins.int
+    DELIVERED_TIME_FIELD_NUMBER: _builtins.int
+    delivered: _builtins.bool
+    """False when there was no live task to tell (the cluster is not UP, or its task
+    has ended).
+    """
+    @_builtins.property
+    def delivered_time(self) -> _timestamp_pb2.Timestamp:
+        """When the notice was delivered (the first delivery, for a repeated notice of the
+        same deadline).
+        """
+
+    def __init__(
+        self,
+        *,
+        delivered: _builtins.bool = ...,
+        delivered_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["delivered_time", b"delivered_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered", b"delivered", "delivered_time", b"delivered_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NotifyPreemptionResponse: _TypeAlias = NotifyPreemptionResponse  # noqa: Y015
 
 @_typing.final
 class ReadLogsRequest(_message.Message):
@@ -522,6 +690,9 @@ class ClusterEvent(_message.Message):
     CLUSTER_STATUS_FIELD_NUMBER: _builtins.int
     TASK_STATUS_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    TASK_END_TIME_FIELD_NUMBER: _builtins.int
+    NOTICE_DEADLINE_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     sim_seconds: _builtins.float
     """Simulated seconds since the cloud started."""
@@ -533,10 +704,18 @@ class ClusterEvent(_message.Message):
     region: _builtins.str
     cluster_status: Global___ClusterStatus.ValueType
     task_status: Global___TaskStatus.ValueType
-    """UNSPECIFIED unless the cluster is UP."""
+    """As Cluster.task_status: readable while UP, and a finished task's status while DOWN."""
     message: _builtins.str
+    exit_code: _builtins.int
+    """The task's exit code, once it finished (`task_end_time` set)."""
     @_builtins.property
     def event_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def task_end_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def notice_deadline(self) -> _timestamp_pb2.Timestamp:
+        """PREEMPTION_NOTICE events: when the cluster will be reclaimed."""
+
     def __init__(
         self,
         *,
@@ -552,10 +731,13 @@ class ClusterEvent(_message.Message):
         cluster_status: Global___ClusterStatus.ValueType = ...,
         task_status: Global___TaskStatus.ValueType = ...,
         message: _builtins.str = ...,
+        exit_code: _builtins.int = ...,
+        task_end_time: _timestamp_pb2.Timestamp | None = ...,
+        notice_deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event_time", b"event_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event_time", b"event_time", "notice_deadline", b"notice_deadline", "task_end_time", b"task_end_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "cluster_name", b"cluster_name", "cluster_status", b"cluster_status", "event_time", b"event_time", "job_id", b"job_id", "kind", b"kind", "message", b"message", "region", b"region", "seq", b"seq", "sim_seconds", b"sim_seconds", "task_id", b"task_id", "task_status", b"task_status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "cluster_name", b"cluster_name", "cluster_status", b"cluster_status", "event_time", b"event_time", "exit_code", b"exit_code", "job_id", b"job_id", "kind", b"kind", "message", b"message", "notice_deadline", b"notice_deadline", "region", b"region", "seq", b"seq", "sim_seconds", b"sim_seconds", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,8 +749,8 @@ class WatchEventsRequest(_message.Message):
 
     AFTER_SEQ_FIELD_NUMBER: _builtins.int
     after_seq: _builtins.int
-    """Events after this sequence number; 0: only events from now on. FAILED_PRECONDITION
-    when they are no longer kept.
+    """Events after this sequence number; 0: only events from now on. OUT_OF_RANGE when
+    past the head; FAILED_PRECONDITION when they are no longer kept.
     """
     def __init__(
         self,
@@ -623,6 +805,7 @@ class Region(_message.Message):
     LAUNCH_LATENCY_SECONDS_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_PER_HOUR_FIELD_NUMBER: _builtins.int
     FAILING_LAUNCHES_FIELD_NUMBER: _builtins.int
+    NOTICE_SECONDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     spot_capacity: _builtins.int
     spot_used: _builtins.int
@@ -632,6 +815,8 @@ class Region(_message.Message):
     preemptions_per_hour: _builtins.float
     failing_launches: _builtins.int
     """Launches still to fail by fault injection."""
+    notice_seconds: _builtins.float
+    """Simulated seconds a spot reclaim is announced ahead (0: no notice)."""
     @_builtins.property
     def zones(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -649,10 +834,11 @@ class Region(_message.Message):
         launch_latency_seconds: _builtins.float = ...,
         preemptions_per_hour: _builtins.float = ...,
         failing_launches: _builtins.int = ...,
+        notice_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerators", b"accelerators", "failing_launches", b"failing_launches", "launch_latency_seconds", b"launch_latency_seconds", "name", b"name", "on_demand_capacity", b"on_demand_capacity", "on_demand_used", b"on_demand_used", "preemptions_per_hour", b"preemptions_per_hour", "spot_capacity", b"spot_capacity", "spot_used", b"spot_used", "zones", b"zones"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accelerators", b"accelerators", "failing_launches", b"failing_launches", "launch_latency_seconds", b"launch_latency_seconds", "name", b"name", "notice_seconds", b"notice_seconds", "on_demand_capacity", b"on_demand_capacity", "on_demand_used", b"on_demand_used", "preemptions_per_hour", b"preemptions_per_hour", "spot_capacity", b"spot_capacity", "spot_used", b"spot_used", "zones", b"zones"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -704,17 +890,25 @@ class PreemptClusterRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    NOTICE_SECONDS_FIELD_NUMBER: _builtins.int
     cluster_name: _builtins.str
+    notice_seconds: _builtins.float
+    """Unset or 0: now. Otherwise a preemption notice is announced now and the cluster
+    is reclaimed this many simulated seconds later.
+    """
     def __init__(
         self,
         *,
         cluster_name: _builtins.str = ...,
+        notice_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds", "notice_seconds", b"notice_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds", "cluster_name", b"cluster_name", "notice_seconds", b"notice_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__notice_seconds: _TypeAlias = _typing.Literal["notice_seconds"]  # noqa: Y015
+    _WhichOneofArgType__notice_seconds: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__notice_seconds) -> _WhichOneofReturnType__notice_seconds | None: ...
 
 Global___PreemptClusterRequest: _TypeAlias = PreemptClusterRequest  # noqa: Y015
 
@@ -723,16 +917,22 @@ class PreemptClusterResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PREEMPTED_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
     preempted: _builtins.bool
     """False when the cluster was not INIT or UP."""
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Set when the preemption was announced: when the cluster is reclaimed."""
+
     def __init__(
         self,
         *,
         preempted: _builtins.bool = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["preempted", b"preempted"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "preempted", b"preempted"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -744,19 +944,25 @@ class PreemptRegionRequest(_message.Message):
 
     REGION_FIELD_NUMBER: _builtins.int
     INCLUDE_ON_DEMAND_FIELD_NUMBER: _builtins.int
+    NOTICE_SECONDS_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     include_on_demand: _builtins.bool
+    notice_seconds: _builtins.float
+    """As PreemptClusterRequest.notice_seconds, for every cluster hit."""
     def __init__(
         self,
         *,
         region: _builtins.str = ...,
         include_on_demand: _builtins.bool = ...,
+        notice_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds", "notice_seconds", b"notice_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_on_demand", b"include_on_demand", "region", b"region"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds", "include_on_demand", b"include_on_demand", "notice_seconds", b"notice_seconds", "region", b"region"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__notice_seconds: _TypeAlias = _typing.Literal["notice_seconds"]  # noqa: Y015
+    _WhichOneofArgType__notice_seconds: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__notice_seconds) -> _WhichOneofReturnType__notice_seconds | None: ...
 
 Global___PreemptRegionRequest: _TypeAlias = PreemptRegionRequest  # noqa: Y015
 
@@ -765,16 +971,22 @@ class PreemptRegionResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     CLUSTER_NAMES_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def cluster_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """Set when the preemptions were announced: when the clusters are reclaimed."""
+
     def __init__(
         self,
         *,
         cluster_names: _abc.Iterable[_builtins.str] | None = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_names", b"cluster_names"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_names", b"cluster_names", "deadline", b"deadline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -789,7 +1001,9 @@ class SetCapacityRequest(_message.Message):
     ON_DEMAND_NODES_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     spot_nodes: _builtins.int
+    """0..10000000 nodes."""
     on_demand_nodes: _builtins.int
+    """0..10000000 nodes."""
     def __init__(
         self,
         *,
@@ -841,16 +1055,21 @@ class InjectFaultsRequest(_message.Message):
     FAIL_NEXT_LAUNCHES_FIELD_NUMBER: _builtins.int
     UNREACHABLE_SECONDS_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_PER_HOUR_FIELD_NUMBER: _builtins.int
+    NOTICE_SECONDS_FIELD_NUMBER: _builtins.int
     region: _builtins.str
     """The region the faults apply to; empty: every region."""
     launch_latency_seconds: _builtins.float
     """Simulated seconds from launch to UP."""
     fail_next_launches: _builtins.int
-    """The next N launch attempts in the region fail for lack of capacity."""
+    """The next N launch attempts in the region fail for lack of capacity (at most
+    1000000 pending per region).
+    """
     unreachable_seconds: _builtins.float
     """The cloud API answers UNAVAILABLE for this many simulated seconds from now."""
     preemptions_per_hour: _builtins.float
-    """Random preemptions per spot-cluster-hour (simulated)."""
+    """Random preemptions per spot-cluster-hour (simulated); at most 1000000."""
+    notice_seconds: _builtins.float
+    """Simulated seconds a spot reclaim is announced ahead."""
     def __init__(
         self,
         *,
@@ -859,17 +1078,22 @@ class InjectFaultsRequest(_message.Message):
         fail_next_launches: _builtins.int = ...,
         unreachable_seconds: _builtins.float = ...,
         preemptions_per_hour: _builtins.float | None = ...,
+        notice_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_launch_latency_seconds", b"_launch_latency_seconds", "_preemptions_per_hour", b"_preemptions_per_hour", "launch_latency_seconds", b"launch_latency_seconds", "preemptions_per_hour", b"preemptions_per_hour"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_launch_latency_seconds", b"_launch_latency_seconds", "_notice_seconds", b"_notice_seconds", "_preemptions_per_hour", b"_preemptions_per_hour", "launch_latency_seconds", b"launch_latency_seconds", "notice_seconds", b"notice_seconds", "preemptions_per_hour", b"preemptions_per_hour"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launch_latency_seconds", b"_launch_latency_seconds", "_preemptions_per_hour", b"_preemptions_per_hour", "fail_next_launches", b"fail_next_launches", "launch_latency_seconds", b"launch_latency_seconds", "preemptions_per_hour", b"preemptions_per_hour", "region", b"region", "unreachable_seconds", b"unreachable_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_launch_latency_seconds", b"_launch_latency_seconds", "_notice_seconds", b"_notice_seconds", "_preemptions_per_hour", b"_preemptions_per_hour", "fail_next_launches", b"fail_next_launches", "launch_latency_seconds", b"launch_latency_seconds", "notice_seconds", b"notice_seconds", "preemptions_per_hour", b"preemptions_per_hour", "region", b"region", "unreachable_seconds", b"unreachable_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__launch_latency_seconds: _TypeAlias = _typing.Literal["launch_latency_seconds"]  # noqa: Y015
     _WhichOneofArgType__launch_latency_seconds: _TypeAlias = _typing.Literal["_launch_latency_seconds", b"_launch_latency_seconds"]  # noqa: Y015
+    _WhichOneofReturnType__notice_seconds: _TypeAlias = _typing.Literal["notice_seconds"]  # noqa: Y015
+    _WhichOneofArgType__notice_seconds: _TypeAlias = _typing.Literal["_notice_seconds", b"_notice_seconds"]  # noqa: Y015
     _WhichOneofReturnType__preemptions_per_hour: _TypeAlias = _typing.Literal["preemptions_per_hour"]  # noqa: Y015
     _WhichOneofArgType__preemptions_per_hour: _TypeAlias = _typing.Literal["_preemptions_per_hour", b"_preemptions_per_hour"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__launch_latency_seconds) -> _WhichOneofReturnType__launch_latency_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__notice_seconds) -> _WhichOneofReturnType__notice_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__preemptions_per_hour) -> _WhichOneofReturnType__preemptions_per_hour | None: ...
 
@@ -891,6 +1115,48 @@ class InjectFaultsResponse(_message.Message):
 Global___InjectFaultsResponse: _TypeAlias = InjectFaultsResponse  # noqa: Y015
 
 @_typing.final
+class ResetFaultsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGION_FIELD_NUMBER: _builtins.int
+    region: _builtins.str
+    """The region to reset; empty: every region, and the cloud API's outage ends."""
+    def __init__(
+        self,
+        *,
+        region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["region", b"region"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetFaultsRequest: _TypeAlias = ResetFaultsRequest  # noqa: Y015
+
+@_typing.final
+class ResetFaultsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def regions(self) -> _containers.RepeatedCompositeFieldContainer[Global___Region]:
+        """The regions reset, as they are now."""
+
+    def __init__(
+        self,
+        *,
+        regions: _abc.Iterable[Global___Region] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["regions", b"regions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResetFaultsResponse: _TypeAlias = ResetFaultsResponse  # noqa: Y015
+
+@_typing.final
 class ListInventoryRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -900,8 +1166,9 @@ class ListInventoryRequest(_message.Message):
     page_size: _builtins.int
     """0: 1000; at most 10000."""
     page_token: _builtins.str
+    """From a previous response's `next_page_token`; empty: the first page."""
     job_id: _builtins.int
-    """Only this job's clusters when set."""
+    """Only this job's clusters when set (>= 0)."""
     def __init__(
         self,
         *,
@@ -979,6 +1246,9 @@ class GetCloudStateResponse(_message.Message):
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
     UNREACHABLE_UNTIL_TIME_FIELD_NUMBER: _builtins.int
     STALE_TERMINATES_REJECTED_FIELD_NUMBER: _builtins.int
+    STALE_NOTICES_REJECTED_FIELD_NUMBER: _builtins.int
+    PREEMPTION_NOTICES_TOTAL_FIELD_NUMBER: _builtins.int
+    NOTICES_DELIVERED_TOTAL_FIELD_NUMBER: _builtins.int
     sim_seconds: _builtins.float
     time_scale: _builtins.float
     seed: _builtins.int
@@ -997,6 +1267,11 @@ class GetCloudStateResponse(_message.Message):
     """Launches that found another cluster of the same (job_id, task_id) live."""
     head_seq: _builtins.int
     stale_terminates_rejected: _builtins.int
+    stale_notices_rejected: _builtins.int
+    preemption_notices_total: _builtins.int
+    """Preemption notices announced on the watch stream."""
+    notices_delivered_total: _builtins.int
+    """Notices passed on to tasks by NotifyPreemption."""
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1026,10 +1301,13 @@ class GetCloudStateResponse(_message.Message):
         head_seq: _builtins.int = ...,
         unreachable_until_time: _timestamp_pb2.Timestamp | None = ...,
         stale_terminates_rejected: _builtins.int = ...,
+        stale_notices_rejected: _builtins.int = ...,
+        preemption_notices_total: _builtins.int = ...,
+        notices_delivered_total: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["start_time", b"start_time", "unreachable_until_time", b"unreachable_until_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_seq", b"head_seq", "launched_total", b"launched_total", "launches_rejected_precheck", b"launches_rejected_precheck", "launches_without_capacity", b"launches_without_capacity", "live_clusters", b"live_clusters", "preempted_total", b"preempted_total", "regions", b"regions", "replaced_total", b"replaced_total", "seed", b"seed", "sim_seconds", b"sim_seconds", "stale_launches_rejected", b"stale_launches_rejected", "stale_terminates_rejected", b"stale_terminates_rejected", "start_time", b"start_time", "terminated_total", b"terminated_total", "time_scale", b"time_scale", "unreachable_until_time", b"unreachable_until_time", "unterminated_clusters", b"unterminated_clusters", "violations", b"violations"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["head_seq", b"head_seq", "launched_total", b"launched_total", "launches_rejected_precheck", b"launches_rejected_precheck", "launches_without_capacity", b"launches_without_capacity", "live_clusters", b"live_clusters", "notices_delivered_total", b"notices_delivered_total", "preempted_total", b"preempted_total", "preemption_notices_total", b"preemption_notices_total", "regions", b"regions", "replaced_total", b"replaced_total", "seed", b"seed", "sim_seconds", b"sim_seconds", "stale_launches_rejected", b"stale_launches_rejected", "stale_notices_rejected", b"stale_notices_rejected", "stale_terminates_rejected", b"stale_terminates_rejected", "start_time", b"start_time", "terminated_total", b"terminated_total", "time_scale", b"time_scale", "unreachable_until_time", b"unreachable_until_time", "unterminated_clusters", b"unterminated_clusters", "violations", b"violations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

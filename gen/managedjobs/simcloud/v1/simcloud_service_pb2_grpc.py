@@ -32,6 +32,12 @@ class SimCloudServiceStub:
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
+
+    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
+    durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
+    hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
+    most 200 characters of it, and changes nothing.
     """
 
     def __init__(self, channel):
@@ -50,10 +56,20 @@ class SimCloudServiceStub:
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClusterRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClusterResponse.FromString,
                 _registered_method=True)
+        self.GetClusters = channel.unary_unary(
+                '/managedjobs.simcloud.v1.SimCloudService/GetClusters',
+                request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClustersRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClustersResponse.FromString,
+                _registered_method=True)
         self.Terminate = channel.unary_unary(
                 '/managedjobs.simcloud.v1.SimCloudService/Terminate',
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateResponse.FromString,
+                _registered_method=True)
+        self.NotifyPreemption = channel.unary_unary(
+                '/managedjobs.simcloud.v1.SimCloudService/NotifyPreemption',
+                request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionResponse.FromString,
                 _registered_method=True)
         self.ReadLogs = channel.unary_stream(
                 '/managedjobs.simcloud.v1.SimCloudService/ReadLogs',
@@ -79,6 +95,12 @@ class SimCloudServiceServicer:
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
+
+    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
+    durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
+    hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
+    most 200 characters of it, and changes nothing.
     """
 
     def Launch(self, request, context):
@@ -97,8 +119,28 @@ class SimCloudServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusters(self, request, context):
+        """The latest clusters of many names in one call (at most 1000); names never
+        launched are listed apart rather than failing the call.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Terminate(self, request, context):
-        """Tears a cluster down and frees its capacity; idempotent.
+        """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
+        first and the cluster goes after `grace_seconds` (at once when the task ended);
+        returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
+        when a newer epoch of the job holds it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NotifyPreemption(self, request, context):
+        """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
+        holding the deadline (recorded in the cluster, a line in the task's log).
+        FAILED_PRECONDITION (reason STALE_EPOCH) when a newer epoch of the job holds it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -112,8 +154,10 @@ class SimCloudServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """Every cluster and task status change, in sequence order. The first message carries
-        no event, only `head_seq`; resume a broken stream with `after_seq`.
+        """Every cluster and task status change and every preemption notice, in sequence
+        order. The first message carries no event, only `head_seq`; resume a broken stream
+        with `after_seq`: OUT_OF_RANGE when it is past the head (the cloud restarted),
+        FAILED_PRECONDITION when the events after it are no longer kept.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -139,10 +183,20 @@ def add_SimCloudServiceServicer_to_server(servicer, server):
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClusterRequest.FromString,
                     response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClusterResponse.SerializeToString,
             ),
+            'GetClusters': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusters,
+                    request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClustersRequest.FromString,
+                    response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClustersResponse.SerializeToString,
+            ),
             'Terminate': grpc.unary_unary_rpc_method_handler(
                     servicer.Terminate,
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateRequest.FromString,
                     response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateResponse.SerializeToString,
+            ),
+            'NotifyPreemption': grpc.unary_unary_rpc_method_handler(
+                    servicer.NotifyPreemption,
+                    request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionRequest.FromString,
+                    response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionResponse.SerializeToString,
             ),
             'ReadLogs': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadLogs,
@@ -174,6 +228,12 @@ class SimCloudService:
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
+
+    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
+    durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
+    hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
+    most 200 characters of it, and changes nothing.
     """
 
     @staticmethod
@@ -231,6 +291,33 @@ class SimCloudService:
             _registered_method=True)
 
     @staticmethod
+    def GetClusters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.simcloud.v1.SimCloudService/GetClusters',
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClustersRequest.SerializeToString,
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClustersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Terminate(request,
             target,
             options=(),
@@ -247,6 +334,33 @@ class SimCloudService:
             '/managedjobs.simcloud.v1.SimCloudService/Terminate',
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateRequest.SerializeToString,
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NotifyPreemption(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.simcloud.v1.SimCloudService/NotifyPreemption',
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionRequest.SerializeToString,
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -369,6 +483,11 @@ class SimOperatorServiceStub:
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.InjectFaultsRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.InjectFaultsResponse.FromString,
                 _registered_method=True)
+        self.ResetFaults = channel.unary_unary(
+                '/managedjobs.simcloud.v1.SimOperatorService/ResetFaults',
+                request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ResetFaultsRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ResetFaultsResponse.FromString,
+                _registered_method=True)
         self.ListInventory = channel.unary_unary(
                 '/managedjobs.simcloud.v1.SimOperatorService/ListInventory',
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ListInventoryRequest.SerializeToString,
@@ -386,14 +505,15 @@ class SimOperatorServiceServicer:
     """
 
     def PreemptCluster(self, request, context):
-        """Preempts one cluster now (INIT or UP; spot or not).
+        """Preempts one cluster (INIT or UP; spot or not), now or after a notice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def PreemptRegion(self, request, context):
-        """Preempts every live spot cluster of a region now (on-demand ones too if asked).
+        """Preempts every live spot cluster of a region (on-demand ones too if asked), now
+        or after a notice.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -407,7 +527,15 @@ class SimOperatorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InjectFaults(self, request, context):
-        """Launch latency, failing launches, an unreachable API, a preemption rate.
+        """Launch latency, failing launches, an unreachable API, a preemption rate, a notice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetFaults(self, request, context):
+        """Undoes injected faults: latency, preemption rate and notice back to the config's,
+        no failing launches, and (for the whole cloud) the outage ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -449,6 +577,11 @@ def add_SimOperatorServiceServicer_to_server(servicer, server):
                     servicer.InjectFaults,
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.InjectFaultsRequest.FromString,
                     response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.InjectFaultsResponse.SerializeToString,
+            ),
+            'ResetFaults': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetFaults,
+                    request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ResetFaultsRequest.FromString,
+                    response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ResetFaultsResponse.SerializeToString,
             ),
             'ListInventory': grpc.unary_unary_rpc_method_handler(
                     servicer.ListInventory,
@@ -570,6 +703,33 @@ class SimOperatorService:
             '/managedjobs.simcloud.v1.SimOperatorService/InjectFaults',
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.InjectFaultsRequest.SerializeToString,
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.InjectFaultsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetFaults(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.simcloud.v1.SimOperatorService/ResetFaults',
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ResetFaultsRequest.SerializeToString,
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ResetFaultsResponse.FromString,
             options,
             channel_credentials,
             insecure,

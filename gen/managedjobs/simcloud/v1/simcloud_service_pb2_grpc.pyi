@@ -33,6 +33,12 @@ class SimCloudServiceStub:
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
+
+    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
+    durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
+    hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
+    most 200 characters of it, and changes nothing.
     """
 
     @_typing.overload
@@ -46,13 +52,28 @@ class SimCloudServiceStub:
     """
     GetCluster: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClusterRequest, _simcloud_service_pb2.GetClusterResponse]
     """The latest cluster of a name (terminated ones included); NOT_FOUND if never launched."""
+    GetClusters: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClustersRequest, _simcloud_service_pb2.GetClustersResponse]
+    """The latest clusters of many names in one call (at most 1000); names never
+    launched are listed apart rather than failing the call.
+    """
     Terminate: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.TerminateRequest, _simcloud_service_pb2.TerminateResponse]
-    """Tears a cluster down and frees its capacity; idempotent."""
+    """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
+    first and the cluster goes after `grace_seconds` (at once when the task ended);
+    returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
+    when a newer epoch of the job holds it.
+    """
+    NotifyPreemption: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.NotifyPreemptionRequest, _simcloud_service_pb2.NotifyPreemptionResponse]
+    """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
+    holding the deadline (recorded in the cluster, a line in the task's log).
+    FAILED_PRECONDITION (reason STALE_EPOCH) when a newer epoch of the job holds it.
+    """
     ReadLogs: _grpc.UnaryStreamMultiCallable[_simcloud_service_pb2.ReadLogsRequest, _simcloud_service_pb2.ReadLogsResponse]
     """The task's log; with `follow`, streams until the task ends or the cluster goes down."""
     WatchEvents: _grpc.UnaryStreamMultiCallable[_simcloud_service_pb2.WatchEventsRequest, _simcloud_service_pb2.WatchEventsResponse]
-    """Every cluster and task status change, in sequence order. The first message carries
-    no event, only `head_seq`; resume a broken stream with `after_seq`.
+    """Every cluster and task status change and every preemption notice, in sequence
+    order. The first message carries no event, only `head_seq`; resume a broken stream
+    with `after_seq`: OUT_OF_RANGE when it is past the head (the cloud restarted),
+    FAILED_PRECONDITION when the events after it are no longer kept.
     """
     ListRegions: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.ListRegionsRequest, _simcloud_service_pb2.ListRegionsResponse]
     """The regions and zones offered; cheap, used as a reachability probe."""
@@ -65,6 +86,12 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
+
+    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
+    durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
+    hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
+    most 200 characters of it, and changes nothing.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -75,13 +102,28 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
     """
     GetCluster: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClusterRequest, _simcloud_service_pb2.GetClusterResponse]  # type: ignore[assignment]
     """The latest cluster of a name (terminated ones included); NOT_FOUND if never launched."""
+    GetClusters: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClustersRequest, _simcloud_service_pb2.GetClustersResponse]  # type: ignore[assignment]
+    """The latest clusters of many names in one call (at most 1000); names never
+    launched are listed apart rather than failing the call.
+    """
     Terminate: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.TerminateRequest, _simcloud_service_pb2.TerminateResponse]  # type: ignore[assignment]
-    """Tears a cluster down and frees its capacity; idempotent."""
+    """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
+    first and the cluster goes after `grace_seconds` (at once when the task ended);
+    returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
+    when a newer epoch of the job holds it.
+    """
+    NotifyPreemption: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.NotifyPreemptionRequest, _simcloud_service_pb2.NotifyPreemptionResponse]  # type: ignore[assignment]
+    """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
+    holding the deadline (recorded in the cluster, a line in the task's log).
+    FAILED_PRECONDITION (reason STALE_EPOCH) when a newer epoch of the job holds it.
+    """
     ReadLogs: _aio.UnaryStreamMultiCallable[_simcloud_service_pb2.ReadLogsRequest, _simcloud_service_pb2.ReadLogsResponse]  # type: ignore[assignment]
     """The task's log; with `follow`, streams until the task ends or the cluster goes down."""
     WatchEvents: _aio.UnaryStreamMultiCallable[_simcloud_service_pb2.WatchEventsRequest, _simcloud_service_pb2.WatchEventsResponse]  # type: ignore[assignment]
-    """Every cluster and task status change, in sequence order. The first message carries
-    no event, only `head_seq`; resume a broken stream with `after_seq`.
+    """Every cluster and task status change and every preemption notice, in sequence
+    order. The first message carries no event, only `head_seq`; resume a broken stream
+    with `after_seq`: OUT_OF_RANGE when it is past the head (the cloud restarted),
+    FAILED_PRECONDITION when the events after it are no longer kept.
     """
     ListRegions: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.ListRegionsRequest, _simcloud_service_pb2.ListRegionsResponse]  # type: ignore[assignment]
     """The regions and zones offered; cheap, used as a reachability probe."""
@@ -93,6 +135,12 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
+
+    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
+    durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
+    hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
+    most 200 characters of it, and changes nothing.
     """
 
     @_abc_1.abstractmethod
@@ -115,12 +163,37 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
         """The latest cluster of a name (terminated ones included); NOT_FOUND if never launched."""
 
     @_abc_1.abstractmethod
+    def GetClusters(
+        self,
+        request: _simcloud_service_pb2.GetClustersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_simcloud_service_pb2.GetClustersResponse, _abc.Awaitable[_simcloud_service_pb2.GetClustersResponse]]:
+        """The latest clusters of many names in one call (at most 1000); names never
+        launched are listed apart rather than failing the call.
+        """
+
+    @_abc_1.abstractmethod
     def Terminate(
         self,
         request: _simcloud_service_pb2.TerminateRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_simcloud_service_pb2.TerminateResponse, _abc.Awaitable[_simcloud_service_pb2.TerminateResponse]]:
-        """Tears a cluster down and frees its capacity; idempotent."""
+        """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
+        first and the cluster goes after `grace_seconds` (at once when the task ended);
+        returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
+        when a newer epoch of the job holds it.
+        """
+
+    @_abc_1.abstractmethod
+    def NotifyPreemption(
+        self,
+        request: _simcloud_service_pb2.NotifyPreemptionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_simcloud_service_pb2.NotifyPreemptionResponse, _abc.Awaitable[_simcloud_service_pb2.NotifyPreemptionResponse]]:
+        """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
+        holding the deadline (recorded in the cluster, a line in the task's log).
+        FAILED_PRECONDITION (reason STALE_EPOCH) when a newer epoch of the job holds it.
+        """
 
     @_abc_1.abstractmethod
     def ReadLogs(
@@ -136,8 +209,10 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _simcloud_service_pb2.WatchEventsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_simcloud_service_pb2.WatchEventsResponse], _abc.AsyncIterator[_simcloud_service_pb2.WatchEventsResponse]]:
-        """Every cluster and task status change, in sequence order. The first message carries
-        no event, only `head_seq`; resume a broken stream with `after_seq`.
+        """Every cluster and task status change and every preemption notice, in sequence
+        order. The first message carries no event, only `head_seq`; resume a broken stream
+        with `after_seq`: OUT_OF_RANGE when it is past the head (the cloud restarted),
+        FAILED_PRECONDITION when the events after it are no longer kept.
         """
 
     @_abc_1.abstractmethod
@@ -158,13 +233,19 @@ class SimOperatorServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SimOperatorServiceAsyncStub: ...
     PreemptCluster: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.PreemptClusterRequest, _simcloud_service_pb2.PreemptClusterResponse]
-    """Preempts one cluster now (INIT or UP; spot or not)."""
+    """Preempts one cluster (INIT or UP; spot or not), now or after a notice."""
     PreemptRegion: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.PreemptRegionRequest, _simcloud_service_pb2.PreemptRegionResponse]
-    """Preempts every live spot cluster of a region now (on-demand ones too if asked)."""
+    """Preempts every live spot cluster of a region (on-demand ones too if asked), now
+    or after a notice.
+    """
     SetCapacity: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.SetCapacityRequest, _simcloud_service_pb2.SetCapacityResponse]
     """Sets a region's capacity; live clusters above it are not evicted."""
     InjectFaults: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.InjectFaultsRequest, _simcloud_service_pb2.InjectFaultsResponse]
-    """Launch latency, failing launches, an unreachable API, a preemption rate."""
+    """Launch latency, failing launches, an unreachable API, a preemption rate, a notice."""
+    ResetFaults: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.ResetFaultsRequest, _simcloud_service_pb2.ResetFaultsResponse]
+    """Undoes injected faults: latency, preemption rate and notice back to the config's,
+    no failing launches, and (for the whole cloud) the outage ended.
+    """
     ListInventory: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.ListInventoryRequest, _simcloud_service_pb2.ListInventoryResponse]
     """Every cluster ever launched, in launch order, with who launched it."""
     GetCloudState: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetCloudStateRequest, _simcloud_service_pb2.GetCloudStateResponse]
@@ -176,13 +257,19 @@ class SimOperatorServiceAsyncStub(SimOperatorServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     PreemptCluster: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.PreemptClusterRequest, _simcloud_service_pb2.PreemptClusterResponse]  # type: ignore[assignment]
-    """Preempts one cluster now (INIT or UP; spot or not)."""
+    """Preempts one cluster (INIT or UP; spot or not), now or after a notice."""
     PreemptRegion: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.PreemptRegionRequest, _simcloud_service_pb2.PreemptRegionResponse]  # type: ignore[assignment]
-    """Preempts every live spot cluster of a region now (on-demand ones too if asked)."""
+    """Preempts every live spot cluster of a region (on-demand ones too if asked), now
+    or after a notice.
+    """
     SetCapacity: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.SetCapacityRequest, _simcloud_service_pb2.SetCapacityResponse]  # type: ignore[assignment]
     """Sets a region's capacity; live clusters above it are not evicted."""
     InjectFaults: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.InjectFaultsRequest, _simcloud_service_pb2.InjectFaultsResponse]  # type: ignore[assignment]
-    """Launch latency, failing launches, an unreachable API, a preemption rate."""
+    """Launch latency, failing launches, an unreachable API, a preemption rate, a notice."""
+    ResetFaults: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.ResetFaultsRequest, _simcloud_service_pb2.ResetFaultsResponse]  # type: ignore[assignment]
+    """Undoes injected faults: latency, preemption rate and notice back to the config's,
+    no failing launches, and (for the whole cloud) the outage ended.
+    """
     ListInventory: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.ListInventoryRequest, _simcloud_service_pb2.ListInventoryResponse]  # type: ignore[assignment]
     """Every cluster ever launched, in launch order, with who launched it."""
     GetCloudState: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetCloudStateRequest, _simcloud_service_pb2.GetCloudStateResponse]  # type: ignore[assignment]
@@ -197,7 +284,7 @@ class SimOperatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _simcloud_service_pb2.PreemptClusterRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_simcloud_service_pb2.PreemptClusterResponse, _abc.Awaitable[_simcloud_service_pb2.PreemptClusterResponse]]:
-        """Preempts one cluster now (INIT or UP; spot or not)."""
+        """Preempts one cluster (INIT or UP; spot or not), now or after a notice."""
 
     @_abc_1.abstractmethod
     def PreemptRegion(
@@ -205,7 +292,9 @@ class SimOperatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _simcloud_service_pb2.PreemptRegionRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_simcloud_service_pb2.PreemptRegionResponse, _abc.Awaitable[_simcloud_service_pb2.PreemptRegionResponse]]:
-        """Preempts every live spot cluster of a region now (on-demand ones too if asked)."""
+        """Preempts every live spot cluster of a region (on-demand ones too if asked), now
+        or after a notice.
+        """
 
     @_abc_1.abstractmethod
     def SetCapacity(
@@ -221,7 +310,17 @@ class SimOperatorServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _simcloud_service_pb2.InjectFaultsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_simcloud_service_pb2.InjectFaultsResponse, _abc.Awaitable[_simcloud_service_pb2.InjectFaultsResponse]]:
-        """Launch latency, failing launches, an unreachable API, a preemption rate."""
+        """Launch latency, failing launches, an unreachable API, a preemption rate, a notice."""
+
+    @_abc_1.abstractmethod
+    def ResetFaults(
+        self,
+        request: _simcloud_service_pb2.ResetFaultsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_simcloud_service_pb2.ResetFaultsResponse, _abc.Awaitable[_simcloud_service_pb2.ResetFaultsResponse]]:
+        """Undoes injected faults: latency, preemption rate and notice back to the config's,
+        no failing launches, and (for the whole cloud) the outage ended.
+        """
 
     @_abc_1.abstractmethod
     def ListInventory(
