@@ -52,6 +52,7 @@ from lifecycle_harness import (
     start_job,
 )
 
+from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_pb2
 from services.backends import Backend, ClusterHandle
 from services.common.statuses import IllegalTransition, JobStatus
@@ -676,3 +677,27 @@ async def test_a_running_job_on_a_pushing_backend_makes_no_backend_calls_while_q
     assert running.host.hub.observe_calls <= 1  # the first look only
     running.request_cancel()
     await running.finished()
+
+
+async def test_a_preemption_notice_reaches_the_task_before_its_cluster_goes(
+    world: World,
+) -> None:
+    async def reclaim_with_notice(world: World, host: Host) -> None:
+        name = cluster_name(host.job_id, 0)
+        # 200 simulated seconds ahead: 0.2 s here.
+        await world.operator.PreemptCluster(
+            spb.PreemptClusterRequest(cluster_name=name, notice_seconds=200)
+        )
+
+    job = make_job(f"name: notice\nrun: train\n{SPOT}", 1)
+    hooks = Hooks(at_running=reclaim_with_notice)
+    running = await start_job(world, job, hooks=hooks, wrap=LongFirstRun)
+    await running.finished()
+    host = running.host
+    assert host.statuses(0) == [STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED]
+    first = (await world.inventory(1))[0]
+    assert first.HasField("notice_delivered_time") and first.HasField("preempt_time")
+    assert first.notice_delivered_time.ToNanoseconds() < first.preempt_time.ToNanoseconds()
+    # The preempted attempt's logs were copied, the notice in them.
+    assert b"received SIGTERM: preemption notice" in host.fetched[0][2]
+    assert any("will be reclaimed at" in note for note in host.notes)

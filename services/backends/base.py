@@ -162,6 +162,8 @@ class Observation:
     task: TaskStatus | None = None
     # Set once the task finished, whatever the cluster's status now.
     end: TaskEnd | None = None
+    # A reclaim of the cluster was announced for this time (Unix seconds).
+    notice_deadline: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,6 +272,10 @@ class Backend(abc.ABC):
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         """A stream of cluster events, for backends that push; None when they cannot."""
         return None
+
+    async def prepare(self) -> None:  # noqa: B027 - optional hook
+        """Learns what the backend offers (e.g. its regions) before work starts; a backend
+        that cannot be reached yet is not an error here."""
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Releases connections."""

@@ -44,6 +44,7 @@ and the time scale; `regions()` itself starts that fetch in the background.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -184,7 +185,10 @@ def observation(message: pb.Cluster | pb.ClusterEvent) -> Observation:
     end = None
     if task is not None and task.finished and message.HasField("task_end_time"):
         end = TaskEnd(task, message.exit_code, message.task_end_time.ToNanoseconds() / 1e9)
-    return Observation(status, task, end)
+    notice = None
+    if status is ClusterStatus.UP and message.HasField("notice_deadline"):
+        notice = message.notice_deadline.ToNanoseconds() / 1e9
+    return Observation(status, task, end, notice)
 
 
 class SimBackend(Backend):
@@ -388,6 +392,11 @@ class SimBackend(Backend):
         except grpc.aio.AioRpcError as exc:
             raise backend_error(exc) from exc
         self._remember(reply)
+
+    async def prepare(self) -> None:
+        """Learns the cloud's regions and time scale, if it answers now."""
+        with contextlib.suppress(BackendError):
+            await self.load()
 
     def _remember(self, reply: pb.ListRegionsResponse) -> None:
         self._regions = tuple(region.name for region in reply.regions)

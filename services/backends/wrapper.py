@@ -67,5 +67,8 @@ class BackendWrapper(Backend):
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         return self.inner.events()
 
+    async def prepare(self) -> None:
+        await self.inner.prepare()
+
     async def close(self) -> None:
         await self.inner.close()

@@ -166,6 +166,8 @@ class TaskState:
         self.region = task.region
         # The current cluster was verified gone: no second teardown.
         self.gone = False
+        # The reclaim deadline of the last preemption notice passed on to the task.
+        self.notice_passed: float | None = None
         # Since when (event-loop time) the backend could not tell anything of the cluster.
         self.unreachable_since: float | None = None
         self.unreachable_timeout: float | None = None
@@ -391,6 +393,10 @@ class JobLifecycle:
                 if verdict is not None:
                     return verdict
                 news = await watcher.next(self._next_deadline(state))
+                deadline = watcher.notice_deadline
+                if deadline is not None and deadline != state.notice_passed:
+                    state.notice_passed = deadline
+                    await self._pass_notice(state, deadline)
         finally:
             watcher.close()
 
@@ -406,6 +412,9 @@ class JobLifecycle:
         name = state.handle.cluster_name
         if news is None or isinstance(news, BackendError):
             return await self._unreachable(state, news)
+        if news.notice_deadline is not None and news.notice_deadline != state.notice_passed:
+            state.notice_passed = news.notice_deadline
+            await self._pass_notice(state, news.notice_deadline)
         if state.unreachable_since is not None:
             state.unreachable_since = None
             await self._condition(state, f"{name} answers again", "")
@@ -442,6 +451,20 @@ class JobLifecycle:
             state.unreachable_since = None
             return Verdict("lost", f"stayed unreachable for {timeout:g}s")
         return None
+
+    async def _pass_notice(self, state: TaskState, deadline: float) -> None:
+        """A spot reclaim was announced: the task gets SIGTERM and the notice file now, so it
+        can checkpoint before its cluster goes (SPEC §18)."""
+        assert state.handle is not None
+        name = state.handle.cluster_name
+        at = time.strftime("%H:%M:%S", time.gmtime(deadline))
+        self.host.note(f"task {state.task_id}: {name} will be reclaimed at {at} UTC; notifying")
+        try:
+            await self.backend.notify_preemption(state.handle, self.host.epoch, deadline)
+        except StaleEpochError as stale:
+            raise MovedAway(f"notice to {name}: {stale}") from stale
+        except BackendError as error:
+            self.host.note(f"task {state.task_id}: the notice could not be passed on: {error}")
 
     async def _condition(self, state: TaskState, message: str, condition: str) -> None:
         """A visible condition of a running task (no status change): set or cleared ("")."""

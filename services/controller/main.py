@@ -97,6 +97,7 @@ SETTINGS = (
 
 async def serve(a: argparse.Namespace) -> None:
     backend = make_backend(a.backend, vars(a))
+    await backend.prepare()
     config = LifecycleConfig(
         poll_interval=a.poll_interval,
         grace_seconds=a.grace_seconds,
