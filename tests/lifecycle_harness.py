@@ -112,13 +112,16 @@ def make_job(
                 spec=task_spec,
             )
         )
-    return job_pb2.Job(
+    job = job_pb2.Job(
         job_id=job_id,
         name=spec.name,
         user="test",
         tasks=tasks,
         cancel_requested=cancel_requested,
+        timeouts=spec.timeouts,
     )
+    job.submit_time.GetCurrentTime()
+    return job
 
 
 # --- the world: a sim cloud in this process ---------------------------------------------------
@@ -303,6 +306,26 @@ class LongFirstRun(Wrapped):
         return await self.inner.launch(request, candidate_regions, blocked_regions)
 
 
+class FirstRunExits(Wrapped):
+    """The first cluster of each task ends its run with `code`; later ones as the spec says."""
+
+    def __init__(self, inner: Backend, code: int) -> None:
+        super().__init__(inner)
+        self._code = code
+        self._seen: set[str] = set()
+
+    async def launch(
+        self,
+        request: TaskRequest,
+        candidate_regions: Sequence[str] = (),
+        blocked_regions: Sequence[str] = (),
+    ) -> ClusterHandle:
+        if request.cluster_name not in self._seen:
+            self._seen.add(request.cluster_name)
+            request = dataclasses.replace(request, sim={**request.sim, "exit_code": self._code})
+        return await self.inner.launch(request, candidate_regions, blocked_regions)
+
+
 class NoPush(Wrapped):
     """A backend that cannot push: the lifecycle must poll."""
 
@@ -467,6 +490,8 @@ class Hooks:
     at_watch: Hook | None = None
     # Awaited inside the grace period after user code failed.
     at_grace: Hook | None = None
+    # Awaited inside every RUNNING report (each new cluster), before the lifecycle looks.
+    at_each_running: Hook | None = None
 
 
 class HostWatcher:
@@ -552,13 +577,19 @@ class Host:
         self.timeline.append(("report", str(task_id), status.name))
         if status == S.RUNNING and (hook := self._once("running", self.hooks.at_running)):
             await hook(self.world, self)
+        if status == S.RUNNING and self.hooks.at_each_running is not None:
+            await self.hooks.at_each_running(self.world, self)
 
     def note(self, message: str) -> None:
         self.notes.append(message)
 
     async def fetch_logs(self, task_id: int, handle: ClusterHandle, attempt: int) -> None:
-        data = await self.recorder.read_logs(handle)
-        exists = await self.recorder.cluster_exists(handle.cluster_name)
+        # As through the logs service: a backend that cannot answer leaves nothing saved.
+        try:
+            data = await self.recorder.read_logs(handle)
+            exists = await self.recorder.cluster_exists(handle.cluster_name)
+        except BackendError:
+            data, exists = b"", False
         self.fetched.append((task_id, handle.cluster_name, data, exists))
         self.attempts.append((task_id, attempt))
         self.timeline.append(("fetch", str(task_id)))
@@ -724,6 +755,7 @@ __all__ = [
     "WEST",
     "BlockingTerminate",
     "FailingTerminate",
+    "FirstRunExits",
     "Hooks",
     "Host",
     "Launch",

@@ -57,13 +57,17 @@ ACTIVE = frozenset({S.STARTING, S.RUNNING, S.RECOVERING, S.CANCELLING})
 NOT_STARTED = frozenset({S.PENDING})
 
 TASK_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
-    S.PENDING: frozenset({S.STARTING, S.CANCELLING, S.CANCELLED, S.FAILED_CONTROLLER}),
+    # FAILED_NO_RESOURCE: the job's max_pending ran out before it could start.
+    S.PENDING: frozenset(
+        {S.STARTING, S.CANCELLING, S.CANCELLED, S.FAILED_NO_RESOURCE, S.FAILED_CONTROLLER}
+    ),
     S.STARTING: frozenset(
         {S.RUNNING, S.RECOVERING, S.CANCELLING, S.SUCCEEDED}
         | frozenset({S.FAILED_PRECHECKS, S.FAILED_NO_RESOURCE, S.FAILED_CONTROLLER})
     ),
     S.RUNNING: frozenset({S.RECOVERING, S.CANCELLING, S.SUCCEEDED}) | FAILED_GROUP,
-    S.RECOVERING: frozenset({S.RUNNING, S.CANCELLING})
+    # FAILED from RECOVERING: max_duration ran out while the task was being relaunched.
+    S.RECOVERING: frozenset({S.RUNNING, S.CANCELLING, S.FAILED})
     | frozenset({S.FAILED_PRECHECKS, S.FAILED_NO_RESOURCE, S.FAILED_CONTROLLER}),
     S.CANCELLING: frozenset({S.CANCELLED, S.FAILED_CONTROLLER}),
     # A terminal status only ever changes to FAILED_CONTROLLER, when cleanup fails.

@@ -84,13 +84,14 @@ async def cleanup(lifecycle: JobLifecycle, cancelled: bool, error: str = "") -> 
             if state.status in ACTIVE - {S.CANCELLING}:
                 problems.append(await _report(lifecycle, state, S.CANCELLING, "cancel requested"))
     failures: dict[int, str] = {}
-    grace = lifecycle.config.grace_period if cancelled else 0.0
     for state in lifecycle.tasks:
         if state.status == S.PENDING or not state.task.spec.run:
             continue  # never launched: no cluster can exist
         if state.gone:
             continue
         handle = lifecycle._last_handle(state)
+        # After a cancel, running code gets SIGTERM and its grace period to checkpoint.
+        grace = lifecycle.grace(state) if cancelled else 0.0
         try:
             await lifecycle._teardown(state, handle, grace)
         except CleanupFailed as failed:

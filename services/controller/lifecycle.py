@@ -63,7 +63,7 @@ from services.backends import (
 from services.common.statuses import TASK_TRANSITIONS, TERMINAL, IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.link import MovedAway
-from services.controller.strategies import NoResources, Slot, Strategy, strategy_for
+from services.controller.strategies import Deadline, NoResources, Slot, Strategy, strategy_for
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -166,6 +166,10 @@ class TaskState:
         self.region = task.region
         # The current cluster was verified gone: no second teardown.
         self.gone = False
+        # When the task first started (Unix seconds): max_duration counts from here.
+        self.first_start: float | None = (
+            task.start_time.ToNanoseconds() / 1e9 if task.HasField("start_time") else None
+        )
         # The reclaim deadline of the last preemption notice passed on to the task.
         self.notice_passed: float | None = None
         # Since when (event-loop time) the backend could not tell anything of the cluster.
@@ -203,6 +207,41 @@ class JobLifecycle:
         # Per task: given to its environment, never logged or reported.
         self._secrets = dict(secrets or {})
         self.tasks = [TaskState(t) for t in sorted(job.tasks, key=lambda t: t.task_id)]
+        # When the job first started (Unix seconds), if it has: max_pending no longer applies.
+        self.job_start: float | None = (
+            job.start_time.ToNanoseconds() / 1e9 if job.HasField("start_time") else None
+        )
+
+    def grace(self, state: TaskState) -> float:
+        """Seconds between SIGTERM and SIGKILL when the task is stopped (SPEC §18)."""
+        spec = state.task.spec
+        if spec.HasField("grace_period_seconds"):
+            return spec.grace_period_seconds
+        return self.config.grace_period
+
+    def _pending_deadline(self) -> Deadline | None:
+        """While the job never started: when its max_pending runs out (monotonic seconds)."""
+        timeouts = self.job.timeouts
+        if self.job_start is not None or not timeouts.HasField("max_pending_seconds"):
+            return None
+        submitted = self.job.submit_time.ToNanoseconds() / 1e9
+        left = submitted + timeouts.max_pending_seconds - self.config.clock()
+        label = f"max_pending of {timeouts.max_pending_seconds:g}s"
+        return Deadline(self.config.monotonic() + left, label)
+
+    def _duration_left(self, state: TaskState) -> tuple[float, str] | None:
+        """Seconds until the task's or the job's max_duration runs out, and which one."""
+        now = self.config.clock()
+        limits: list[tuple[float, str]] = []
+        spec = state.task.spec
+        if spec.HasField("max_duration_seconds") and state.first_start is not None:
+            limit = spec.max_duration_seconds
+            limits.append((state.first_start + limit - now, f"max_duration of {limit:g}s"))
+        timeouts = self.job.timeouts
+        if timeouts.HasField("max_duration_seconds") and self.job_start is not None:
+            limit = timeouts.max_duration_seconds
+            limits.append((self.job_start + limit - now, f"the job's max_duration of {limit:g}s"))
+        return min(limits) if limits else None
 
     @property
     def cancelling(self) -> bool:
@@ -276,6 +315,9 @@ class JobLifecycle:
         strategy = strategy_for(
             state.task.spec, self.backend, self.host.slot, self.config, self.host.note
         )
+        strategy.pending = self._pending_deadline()
+        if strategy.policy.unreachable_timeout is not None:
+            state.unreachable_timeout = strategy.policy.unreachable_timeout
         try:
             if state.status == S.PENDING:
                 await self.transition(state, S.STARTING, f"resources {state.task.resources}")
@@ -336,6 +378,9 @@ class JobLifecycle:
         state.handle = handle
         state.gone = False
         state.region = handle.region or state.region
+        now = self.config.clock()
+        state.first_start = state.first_start or now
+        self.job_start = self.job_start or now
         where = state.region or "-"
         await self.transition(state, S.RUNNING, f"{what} on {handle.cluster_name} in {where}")
         await self.host.slot.release()
@@ -343,7 +388,17 @@ class JobLifecycle:
     async def _recover(
         self, state: TaskState, strategy: Strategy, request: TaskRequest, why: str
     ) -> None:
+        """Relaunches a task whose cluster was lost, if the policy allows.
+
+        Raises:
+            NoResources: no recovery allowed (strategy NONE, max_recoveries reached), or
+                launching gave up.
+        """
         lost = self._last_handle(state)
+        refused = strategy.may_recover(state.recovery_count)
+        if refused:
+            await self._teardown(state, lost)
+            raise NoResources(refused)
         if state.status != S.RECOVERING:
             await self.transition(state, S.RECOVERING, why)
         await self._teardown(state, lost)
@@ -352,7 +407,7 @@ class JobLifecycle:
             f"task {state.task_id}: recovery {number} with {strategy.name}; "
             f"{lost.cluster_name} was lost in {lost.region or 'an unknown region'}"
         )
-        handle = await strategy.recover(request, lost)
+        handle = await strategy.recover(strategy.for_recovery(request, number), lost)
         state.recovery_count = number
         await self._launched(state, handle, f"recovery {number}: running")
 
@@ -369,6 +424,8 @@ class JobLifecycle:
                 final = await self._user_failed(state, strategy, request, handle, verdict.end)
                 if final is not None:
                     return final
+            elif verdict.kind == "timeout":
+                return await self._timed_out(state, handle, verdict.why)
             elif verdict.kind == "lost":
                 self.host.note(
                     f"task {state.task_id}: {handle.cluster_name} in {handle.region or '-'} "
@@ -401,15 +458,23 @@ class JobLifecycle:
             watcher.close()
 
     def _next_deadline(self, state: TaskState) -> float | None:
-        """How long to wait for news at most: until the unreachable timeout, if counting."""
-        if state.unreachable_since is None:
-            return None
-        timeout = state.unreachable_timeout or self.config.unreachable_timeout
-        return max(0.0, state.unreachable_since + timeout - self.config.monotonic())
+        """How long to wait for news at most: until the unreachable timeout (if counting) or
+        the max_duration, whichever comes first."""
+        waits: list[float] = []
+        if state.unreachable_since is not None:
+            timeout = state.unreachable_timeout or self.config.unreachable_timeout
+            waits.append(state.unreachable_since + timeout - self.config.monotonic())
+        duration = self._duration_left(state)
+        if duration is not None:
+            waits.append(duration[0])
+        return max(0.0, min(waits)) if waits else None
 
     async def _judge(self, state: TaskState, news: News | None) -> Verdict | None:
         assert state.handle is not None
         name = state.handle.cluster_name
+        duration = self._duration_left(state)
+        if duration is not None and duration[0] <= 0:
+            return Verdict("timeout", f"{duration[1]} exceeded")
         if news is None or isinstance(news, BackendError):
             return await self._unreachable(state, news)
         if news.notice_deadline is not None and news.notice_deadline != state.notice_passed:
@@ -490,6 +555,16 @@ class JobLifecycle:
         await self._teardown(state, handle)
         return S.SUCCEEDED
 
+    async def _timed_out(self, state: TaskState, handle: ClusterHandle, why: str) -> JobStatus:
+        """max_duration ran out: stop the task gracefully (SIGTERM, SIGKILL after the grace),
+        keep its logs, and fail the job with the reason."""
+        grace = self.grace(state)
+        self.host.note(f"task {state.task_id}: {why}; stopping it (grace {grace:g}s)")
+        await self._teardown(state, handle, grace)
+        reason = f"{why}"
+        await self.transition(state, S.FAILED, reason, failure_reason=reason)
+        return S.FAILED
+
     async def _user_failed(
         self,
         state: TaskState,
@@ -515,7 +590,13 @@ class JobLifecycle:
             self.host.note(f"task {state.task_id}: {handle.cluster_name} went down: preempted")
             await self._recover(state, strategy, request, f"{handle.cluster_name} was lost")
             return None
-        if strategy.may_restart(state.restart_count):
+        rule = strategy.on_exit(end.exit_code)
+        if rule == "recover":
+            why = f"exit code {end.exit_code} is in recover_on_exit_codes"
+            self.host.note(f"task {state.task_id}: {why}: recovering like a preemption")
+            await self._recover(state, strategy, request, why)
+            return None
+        if rule != "fail" and strategy.may_restart(state.restart_count):
             attempt = state.attempt
             state.restart_count += 1
             reason = f"user {what} failed; restart {state.restart_count} of {strategy.max_restarts}"
@@ -527,7 +608,9 @@ class JobLifecycle:
             return None
         final = S.FAILED_SETUP if end.status == TaskStatus.FAILED_SETUP else S.FAILED
         reason = f"user {what} exited non-zero{code} on {handle.cluster_name}"
-        if strategy.max_restarts:
+        if rule == "fail":
+            reason += f"; exit code {end.exit_code} is in fail_on_exit_codes"
+        elif strategy.max_restarts:
             reason += f" after {state.restart_count} restarts"
         await self.transition(state, final, reason, failure_reason=reason, end_time=end.end_time)
         await self._teardown(state, handle)

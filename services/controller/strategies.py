@@ -21,11 +21,20 @@ They differ in how they relaunch a task whose cluster was preempted:
 
 After user code failed on a healthy cluster, `restart` relaunches anywhere
 allowed while `max_restarts_on_errors` allows: the region is not to blame.
+
+Beyond SkyPilot (SPEC §18), every strategy carries the task's `RecoveryPolicy`:
+exit codes that mean "recover" (like a preemption, no restart consumed) or
+"fail at once"; a cap on recoveries; on-demand capacity after N preemptions;
+and `NONE`, which never recovers. Launch retries stop at `launch_timeout`, and
+a job that never started stops at its `max_pending` deadline, even while it
+waits for a launch slot.
 """
 
 from __future__ import annotations
 
 import abc
+import asyncio
+import dataclasses
 import logging
 import random
 from collections.abc import Callable, Sequence
@@ -49,7 +58,53 @@ log = logging.getLogger(__name__)
 
 
 class NoResources(Exception):
-    """Launch retries exhausted (FAILED_NO_RESOURCE)."""
+    """Launch retries exhausted, a launch or pending deadline passed, or no recovery
+    allowed (FAILED_NO_RESOURCE)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RecoveryPolicy:
+    """What the spec's `job_recovery` says beyond the strategy's name (SPEC §18)."""
+
+    max_restarts: int = 0
+    recover_on_exit_codes: frozenset[int] = frozenset()
+    fail_on_exit_codes: frozenset[int] = frozenset()
+    # None: unlimited recoveries; never switch to on-demand.
+    max_recoveries: int | None = None
+    on_demand_after_preemptions: int | None = None
+    unreachable_timeout: float | None = None
+
+    @classmethod
+    def of(cls, resources: job_pb2.Resources) -> RecoveryPolicy:
+        return cls(
+            max_restarts=resources.max_restarts_on_errors,
+            recover_on_exit_codes=frozenset(resources.recover_on_exit_codes),
+            fail_on_exit_codes=frozenset(resources.fail_on_exit_codes),
+            max_recoveries=(
+                resources.max_recoveries if resources.HasField("max_recoveries") else None
+            ),
+            on_demand_after_preemptions=(
+                resources.on_demand_after_preemptions
+                if resources.HasField("on_demand_after_preemptions")
+                else None
+            ),
+            unreachable_timeout=(
+                resources.unreachable_timeout_seconds
+                if resources.HasField("unreachable_timeout_seconds")
+                else None
+            ),
+        )
+
+
+class Deadline:
+    """A moment (monotonic seconds) past which launching stops, and what it is called."""
+
+    def __init__(self, at: float, what: str) -> None:
+        self.at = at
+        self.what = what
+
+    def left(self, now: float) -> float:
+        return self.at - now
 
 
 class Slot(Protocol):
@@ -92,17 +147,73 @@ class Strategy(abc.ABC):
         slot: Slot,
         config: LifecycleConfig,
         note: Callable[[str], None],
-        max_restarts: int = 0,
+        policy: RecoveryPolicy | None = None,
+        launch_timeout: float | None = None,
     ) -> None:
         self.backend = backend
         self.slot = slot
         self.config = config
         self.note = note
+        self.policy = policy or RecoveryPolicy()
         # max_restarts_on_errors: restarts allowed after user code failed.
-        self.max_restarts = max_restarts
+        self.max_restarts = self.policy.max_restarts
+        # Seconds launch retries go on (each launch, from its first attempt); None: forever.
+        self.launch_timeout = launch_timeout
+        # Set while the job has never started: its max_pending deadline.
+        self.pending: Deadline | None = None
+        self._launch_deadline: Deadline | None = None
 
     def may_restart(self, restarts_so_far: int) -> bool:
         return restarts_so_far < self.max_restarts
+
+    def may_recover(self, recoveries_so_far: int) -> str:
+        """Why a preempted task may not be recovered ("" when it may)."""
+        cap = self.policy.max_recoveries
+        if cap is not None and recoveries_so_far >= cap:
+            return f"preempted after {recoveries_so_far} recoveries; max_recoveries is {cap}"
+        return ""
+
+    def on_exit(self, exit_code: int | None) -> str:
+        """What a failed run's exit code asks for: "recover", "fail" or "" (the usual rules)."""
+        if exit_code is None:
+            return ""
+        if exit_code in self.policy.fail_on_exit_codes:
+            return "fail"
+        if exit_code in self.policy.recover_on_exit_codes:
+            return "recover"
+        return ""
+
+    def for_recovery(self, request: TaskRequest, preemptions: int) -> TaskRequest:
+        """The request for the attempt after `preemptions` preemptions: on-demand once the
+        policy says so."""
+        after = self.policy.on_demand_after_preemptions
+        if request.use_spot and after is not None and preemptions >= after:
+            self.note(
+                f"task {request.task_id}: preempted {preemptions} times; "
+                "relaunching on on-demand capacity"
+            )
+            return dataclasses.replace(request, use_spot=False)
+        return request
+
+    def _deadline(self) -> Deadline | None:
+        """The nearest of the pending deadline and this launch's timeout (set by `launch`)."""
+        deadlines = [d for d in (self.pending, self._launch_deadline) if d is not None]
+        return min(deadlines, key=lambda d: d.at) if deadlines else None
+
+    async def _acquire(self, reason: str) -> None:
+        """Takes the launch slot, waiting no longer than the nearest deadline."""
+        deadline = self._deadline()
+        if deadline is None:
+            await self.slot.acquire(reason)
+            return
+        try:
+            left = max(0.0, deadline.left(self._now()))
+            await asyncio.wait_for(self.slot.acquire(reason), left)
+        except TimeoutError:
+            raise NoResources(f"{deadline.what} exceeded while {reason}") from None
+
+    def _now(self) -> float:
+        return self.config.monotonic()
 
     async def launch(
         self,
@@ -127,9 +238,13 @@ class Strategy(abc.ABC):
         backoff = Backoff(self.config.backoff_initial, self.config.backoff_max)
         task = request.task_id
         attempt = failures = 0
+        self._launch_deadline = None
+        if self.launch_timeout:
+            label = f"launch_timeout of {self.launch_timeout:g}s"
+            self._launch_deadline = Deadline(self._now() + self.launch_timeout, label)
         while True:
             attempt += 1
-            await self.slot.acquire(f"waiting for a launch slot (task {task}, attempt {attempt})")
+            await self._acquire(f"waiting for a launch slot (task {task}, attempt {attempt})")
             prefix = f"task {task}: launch attempt {attempt}" + (f" of {limit}" if limit else "")
             self.note(f"{prefix}: launching {request.cluster_name}{_where(regions, blocked)}")
             counted = True
@@ -161,7 +276,12 @@ class Strategy(abc.ABC):
             if limit and failures >= limit:
                 self.note(f"{prefix}: {why}; giving up after {failures} failed attempts")
                 raise NoResources(f"{why}; gave up after {failures} failed launch attempts")
+            deadline = self._deadline()
             delay = backoff.next()
+            if deadline is not None and deadline.left(self._now()) <= delay:
+                self.note(f"{prefix}: {why}; {deadline.what} exceeded, giving up")
+                await self.slot.release(f"{deadline.what} exceeded")
+                raise NoResources(f"{deadline.what} exceeded: {why}")
             reason = f"backing off {delay:.2f}s after attempt {attempt}: {why}"
             self.note(f"{prefix}: {reason}")
             await self.slot.release(reason)
@@ -224,6 +344,18 @@ class Failover(Strategy):
         return await self.launch(request)
 
 
+class NoRecovery(Strategy):
+    """`strategy: NONE`: a preemption ends the task (FAILED_NO_RESOURCE with the reason)."""
+
+    name = "NONE"
+
+    def may_recover(self, recoveries_so_far: int) -> str:
+        return "preempted, and the task's recovery strategy is NONE"
+
+    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+        raise NoResources(self.may_recover(0))
+
+
 class EagerNextRegion(Strategy):
     name = "EAGER_NEXT_REGION"
 
@@ -246,6 +378,7 @@ class EagerNextRegion(Strategy):
 STRATEGIES: dict[int, type[Strategy]] = {
     job_pb2.RECOVERY_STRATEGY_FAILOVER: Failover,
     job_pb2.RECOVERY_STRATEGY_EAGER_NEXT_REGION: EagerNextRegion,
+    job_pb2.RECOVERY_STRATEGY_NONE: NoRecovery,
     # SkyPilot's default.
     job_pb2.RECOVERY_STRATEGY_UNSPECIFIED: EagerNextRegion,
 }
@@ -258,10 +391,11 @@ def strategy_for(
     config: LifecycleConfig,
     note: Callable[[str], None],
 ) -> Strategy:
-    """The strategy the task's `resources.job_recovery` names."""
+    """The strategy the task's `resources.job_recovery` names, with its policy and timeouts."""
     resources = spec.resources
     cls = STRATEGIES[resources.recovery_strategy]
-    return cls(backend, slot, config, note, max_restarts=resources.max_restarts_on_errors)
+    timeout = spec.launch_timeout_seconds if spec.HasField("launch_timeout_seconds") else None
+    return cls(backend, slot, config, note, RecoveryPolicy.of(resources), timeout)
 
 
 def _where(regions: Sequence[str], blocked: Sequence[str]) -> str:
@@ -276,9 +410,12 @@ def _where(regions: Sequence[str], blocked: Sequence[str]) -> str:
 __all__ = [
     "STRATEGIES",
     "Backoff",
+    "Deadline",
     "EagerNextRegion",
     "Failover",
+    "NoRecovery",
     "NoResources",
+    "RecoveryPolicy",
     "Slot",
     "Strategy",
     "strategy_for",
