@@ -147,18 +147,28 @@ def test_launch_fails_over_from_a_region_without_capacity(
     assert regions[EAST].spot_capacity == 0
 
 
-def test_an_impossible_region_fails_prechecks_without_a_retry(
+def test_a_region_no_backend_offers_is_refused_at_submit(
+    jobs: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: nowhere\nresources:\n  region: mars-1\nrun: train\n"
+    with pytest.raises(grpc.RpcError) as caught:
+        submit(jobs, spec)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "resources.region" in caught.value.details()  # type: ignore[attr-defined]
+
+
+def test_an_impossible_request_fails_prechecks_without_a_retry(
     stack: Stack,
     jobs: job_service_pb2_grpc.JobServiceStub,
     cloud: spb_grpc.SimOperatorServiceStub,
 ) -> None:
     before = cloud.GetCloudState(spb.GetCloudStateRequest()).launches_rejected_precheck
-    spec = "name: nowhere\nresources:\n  region: mars-1\nrun: train\n"
+    spec = "name: huge\nresources:\n  cpus: 100000\nrun: train\n"
     job_id = submit(jobs, spec)
     list(follow(jobs, job_id))
     job = get(jobs, job_id)
     assert job.status == JobStatus.FAILED_PRECHECKS
-    assert "mars-1" in job.failure_reason
+    assert "cpus" in job.failure_reason
     assert inventory(cloud, job_id) == []
     after = cloud.GetCloudState(spb.GetCloudStateRequest()).launches_rejected_precheck
     assert after - before == 1
