@@ -419,3 +419,32 @@ async def test_secrets_and_timeouts_are_kept_with_the_job(store: Store) -> None:
     read = await store.get_job(job_id, with_specs=True)
     assert read is not None and read.timeouts.max_pending_seconds == 7200
     assert b"v1" not in read.SerializeToString()
+
+
+async def test_each_attempt_keeps_its_cluster_end_and_exit_code(store: Store) -> None:
+    job_id, _ = await store.submit(new_job())
+    epoch = await assign(store, job_id)
+
+    def step(status: JobStatus, attempt: int, **kw: object) -> pb.ConnectControllerRequest:
+        return transition(job_id, epoch, status, attempt=attempt, **kw)
+
+    await accepted(
+        store,
+        "c1",
+        step(S.STARTING, 1),
+        step(S.RUNNING, 1, cluster_name="mj-1-0", region="r1"),
+        step(S.RECOVERING, 1, message="restart 1 of 1", exit_code=75),
+        step(S.RUNNING, 2, cluster_name="mj-1-0", region="r2", restart_count=1),
+        step(S.FAILED, 2, message="user run exited non-zero", exit_code=3),
+    )
+    job = await store.get_job(job_id)
+    assert job is not None
+    first, second = job.tasks[0].attempts
+    assert (first.attempt, first.region, first.exit_code, first.outcome) == (
+        1,
+        "r1",
+        75,
+        "restart 1 of 1",
+    )
+    assert (second.attempt, second.region, second.exit_code) == (2, "r2", 3)
+    assert second.HasField("end_time") and second.outcome == "user run exited non-zero"

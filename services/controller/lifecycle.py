@@ -275,6 +275,7 @@ class JobLifecycle:
             + (f" ({message})" if message else "")
             + f" [was {old.name}]"
         )
+        extra.setdefault("attempt", state.attempt)
         await self.host.report(
             state.task_id,
             status,
@@ -386,7 +387,12 @@ class JobLifecycle:
         await self.host.slot.release()
 
     async def _recover(
-        self, state: TaskState, strategy: Strategy, request: TaskRequest, why: str
+        self,
+        state: TaskState,
+        strategy: Strategy,
+        request: TaskRequest,
+        why: str,
+        end: TaskEnd | None = None,
     ) -> None:
         """Relaunches a task whose cluster was lost, if the policy allows.
 
@@ -400,7 +406,7 @@ class JobLifecycle:
             await self._teardown(state, lost)
             raise NoResources(refused)
         if state.status != S.RECOVERING:
-            await self.transition(state, S.RECOVERING, why)
+            await self.transition(state, S.RECOVERING, why, **_exit(end))
         await self._teardown(state, lost)
         number = state.recovery_count + 1
         self.host.note(
@@ -550,7 +556,11 @@ class JobLifecycle:
 
     async def _succeeded(self, state: TaskState, handle: ClusterHandle, end: TaskEnd) -> JobStatus:
         await self.transition(
-            state, S.SUCCEEDED, f"succeeded on {handle.cluster_name}", end_time=end.end_time
+            state,
+            S.SUCCEEDED,
+            f"succeeded on {handle.cluster_name}",
+            end_time=end.end_time,
+            **_exit(end),
         )
         await self._teardown(state, handle)
         return S.SUCCEEDED
@@ -594,13 +604,13 @@ class JobLifecycle:
         if rule == "recover":
             why = f"exit code {end.exit_code} is in recover_on_exit_codes"
             self.host.note(f"task {state.task_id}: {why}: recovering like a preemption")
-            await self._recover(state, strategy, request, why)
+            await self._recover(state, strategy, request, why, end)
             return None
         if rule != "fail" and strategy.may_restart(state.restart_count):
             attempt = state.attempt
             state.restart_count += 1
             reason = f"user {what} failed; restart {state.restart_count} of {strategy.max_restarts}"
-            await self.transition(state, S.RECOVERING, reason)
+            await self.transition(state, S.RECOVERING, reason, attempt=attempt, **_exit(end))
             await self._teardown(state, handle, attempt=attempt)
             state.handle = None
             new = await strategy.restart(request, handle)
@@ -612,7 +622,9 @@ class JobLifecycle:
             reason += f"; exit code {end.exit_code} is in fail_on_exit_codes"
         elif strategy.max_restarts:
             reason += f" after {state.restart_count} restarts"
-        await self.transition(state, final, reason, failure_reason=reason, end_time=end.end_time)
+        await self.transition(
+            state, final, reason, failure_reason=reason, end_time=end.end_time, **_exit(end)
+        )
         await self._teardown(state, handle)
         return final
 
@@ -682,6 +694,11 @@ class JobLifecycle:
                     f"cluster {name} could not be terminated ({error}); it may have leaked"
                 )
             await self.config.sleep(self.config.terminate_retry_delay * attempt)
+
+
+def _exit(end: TaskEnd | None) -> dict[str, Any]:
+    """The exit code field of a report, when the task's end gave one."""
+    return {"exit_code": end.exit_code} if end is not None and end.exit_code is not None else {}
 
 
 __all__ = [

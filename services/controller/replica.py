@@ -156,6 +156,9 @@ class JobRunner:
         )
         if "condition" in fields:
             transition.condition = fields["condition"]
+        transition.attempt = fields.get("attempt", 0)
+        if fields.get("exit_code") is not None:
+            transition.exit_code = fields["exit_code"]
         transition.time.FromSeconds(int(time.time()))
         if fields.get("end_time"):
             transition.end_time.FromNanoseconds(int(fields["end_time"] * 1e9))

@@ -92,3 +92,17 @@ def event_message(row: EventRow) -> job_pb2.JobEvent:
         time=timestamp(row.time),
         message=row.message,
     )
+
+
+def attempt_message(row: Row[Any]) -> job_pb2.Attempt:
+    attempt = job_pb2.Attempt(
+        attempt=row.attempt,
+        cluster_name=row.cluster_name,
+        region=row.region,
+        start_time=timestamp(row.start_time),
+        end_time=timestamp(row.end_time),
+        outcome=row.outcome,
+    )
+    if row.exit_code is not None:
+        attempt.exit_code = row.exit_code
+    return attempt

@@ -117,6 +117,24 @@ class TaskRow(Base):
     )
 
 
+class AttemptRow(Base):
+    """One cluster a task ran on, with how it ended (SPEC §18)."""
+
+    __tablename__ = "attempts"
+
+    job_id: Mapped[int] = mapped_column(
+        BigId, ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    task_id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True)
+    cluster_name: Mapped[str] = mapped_column(String(128), default="")
+    region: Mapped[str] = mapped_column(String(64), default="")
+    start_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    outcome: Mapped[str] = mapped_column(Text, default="")
+
+
 class EventRow(Base):
     __tablename__ = "events"
     __table_args__ = (Index("ix_events_job", "job_id", "id"),)
@@ -138,3 +156,4 @@ JOBS = cast(Table, JobRow.__table__)
 TASKS = cast(Table, TaskRow.__table__)
 EVENTS = cast(Table, EventRow.__table__)
 SECRETS = cast(Table, SecretRow.__table__)
+ATTEMPTS = cast(Table, AttemptRow.__table__)

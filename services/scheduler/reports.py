@@ -36,7 +36,7 @@ from services.common.statuses import (
     schedule_transition,
 )
 from services.scheduler import convert, metrics
-from services.scheduler.models import JobRow, TaskRow
+from services.scheduler.models import AttemptRow, JobRow, TaskRow
 from services.scheduler.store import (
     Move,
     StaleReport,
@@ -212,6 +212,8 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
     if new in TERMINAL:
         task.end_time = convert.from_timestamp(report.end_time) or task.end_time or txn.now
     job.recovery_count += task.recovery_count - old_recoveries
+    if report.attempt > 0:
+        await _record_attempt(txn, task, report, new)
     await _follow_current_task(txn, job, task)
     if new == S.RUNNING and job.start_time is None:
         job.start_time = task.start_time
@@ -232,6 +234,32 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
                 task.restart_count - old_restarts,
             )
         )
+
+
+async def _record_attempt(
+    txn: Txn, task: TaskRow, report: pb.TaskTransition, new: JobStatus
+) -> None:
+    """Keeps the attempt's row: opened when it runs, closed with its end and exit code."""
+    key = (task.job_id, task.task_id, report.attempt)
+    attempt = await txn.session.get(AttemptRow, key)
+    if attempt is None:
+        if new != S.RUNNING and not report.HasField("exit_code"):
+            return
+        attempt = AttemptRow(
+            job_id=task.job_id,
+            task_id=task.task_id,
+            attempt=report.attempt,
+            cluster_name=report.cluster_name or task.cluster_name,
+            region=report.region or task.region,
+            start_time=txn.now,
+            outcome="",
+        )
+        txn.session.add(attempt)
+    if report.HasField("exit_code"):
+        attempt.exit_code = report.exit_code
+    if new != S.RUNNING and attempt.end_time is None and new not in (S.CANCELLING,):
+        attempt.end_time = txn.now
+        attempt.outcome = report.message or new.name
 
 
 async def _follow_current_task(txn: Txn, job: JobRow, task: TaskRow) -> None:

@@ -49,10 +49,12 @@ from services.scheduler import convert
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.models import (
+    ATTEMPTS,
     EVENTS,
     JOBS,
     SECRETS,
     TASKS,
+    AttemptRow,
     EventRow,
     JobRow,
     SecretRow,
@@ -320,8 +322,18 @@ class Store:
     # --- queries --------------------------------------------------------------------------
 
     async def get_job(self, job_id: int, with_specs: bool = False) -> job_pb2.Job | None:
-        jobs = await self.get_jobs([job_id], with_specs)
-        return jobs[0] if jobs else None
+        """One job with its tasks and every task's attempts."""
+        async with self.db.read() as session:
+            jobs = await job_messages(session, [job_id], with_specs)
+            if not jobs:
+                return None
+            query = select(ATTEMPTS).where(AttemptRow.job_id == job_id)
+            attempts = (await session.execute(query)).all()
+        job = jobs[0]
+        for row in sorted(attempts, key=lambda a: (a.task_id, a.attempt)):
+            if 0 <= row.task_id < len(job.tasks):
+                job.tasks[row.task_id].attempts.append(convert.attempt_message(row))
+        return job
 
     async def get_jobs(self, job_ids: Sequence[int], with_specs: bool = False) -> list[job_pb2.Job]:
         async with self.db.read() as session:

@@ -355,6 +355,51 @@ class JobTimeouts(_message.Message):
 Global___JobTimeouts: _TypeAlias = JobTimeouts  # noqa: Y015
 
 @_typing.final
+class Attempt(_message.Message):
+    """One cluster a task ran on: attempt 1, then one more per recovery or restart."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    REGION_FIELD_NUMBER: _builtins.int
+    START_TIME_FIELD_NUMBER: _builtins.int
+    END_TIME_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    attempt: _builtins.int
+    cluster_name: _builtins.str
+    region: _builtins.str
+    exit_code: _builtins.int
+    """The exit code of the user's run (or setup), when it exited."""
+    outcome: _builtins.str
+    """How it ended, e.g. "succeeded", "preempted", "user run exited non-zero"."""
+    @_builtins.property
+    def start_time(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def end_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        attempt: _builtins.int = ...,
+        cluster_name: _builtins.str = ...,
+        region: _builtins.str = ...,
+        start_time: _timestamp_pb2.Timestamp | None = ...,
+        end_time: _timestamp_pb2.Timestamp | None = ...,
+        exit_code: _builtins.int | None = ...,
+        outcome: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "end_time", b"end_time", "exit_code", b"exit_code", "start_time", b"start_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code", "attempt", b"attempt", "cluster_name", b"cluster_name", "end_time", b"end_time", "exit_code", b"exit_code", "outcome", b"outcome", "region", b"region", "start_time", b"start_time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
+
+Global___Attempt: _TypeAlias = Attempt  # noqa: Y015
+
+@_typing.final
 class Task(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -370,6 +415,7 @@ class Task(_message.Message):
     RESTART_COUNT_FIELD_NUMBER: _builtins.int
     FAILURE_REASON_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
     CONDITION_FIELD_NUMBER: _builtins.int
     CONDITION_TIME_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
@@ -393,6 +439,10 @@ class Task(_message.Message):
     @_builtins.property
     def spec(self) -> Global___TaskSpec: ...
     @_builtins.property
+    def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]:
+        """Every cluster the task ran on, in order (SPEC §18: each keeps its logs and exit code)."""
+
+    @_builtins.property
     def condition_time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
@@ -409,12 +459,13 @@ class Task(_message.Message):
         restart_count: _builtins.int = ...,
         failure_reason: _builtins.str = ...,
         spec: Global___TaskSpec | None = ...,
+        attempts: _abc.Iterable[Global___Attempt] | None = ...,
         condition: _builtins.str = ...,
         condition_time: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["condition_time", b"condition_time", "end_time", b"end_time", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "condition", b"condition", "condition_time", b"condition_time", "end_time", b"end_time", "failure_reason", b"failure_reason", "name", b"name", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "cluster_name", b"cluster_name", "condition", b"condition", "condition_time", b"condition_time", "end_time", b"end_time", "failure_reason", b"failure_reason", "name", b"name", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -235,6 +235,8 @@ class TaskTransition(_message.Message):
     END_TIME_FIELD_NUMBER: _builtins.int
     RELEASE_SLOT_FIELD_NUMBER: _builtins.int
     CONDITION_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     epoch: _builtins.int
     task_id: _builtins.int
@@ -252,6 +254,10 @@ class TaskTransition(_message.Message):
     """When present, the task's condition from now on (empty: none), e.g. "mj-3-0 unreachable
     since 12:00:01"; the status stays as it is.
     """
+    attempt: _builtins.int
+    """The attempt (1, then one more per recovery or restart) this report is about."""
+    exit_code: _builtins.int
+    """The exit code of the user's run (or setup) on that attempt, once known."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -277,14 +283,21 @@ class TaskTransition(_message.Message):
         end_time: _timestamp_pb2.Timestamp | None = ...,
         release_slot: _builtins.bool = ...,
         condition: _builtins.str | None = ...,
+        attempt: _builtins.int = ...,
+        exit_code: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_condition", b"_condition", "condition", b"condition", "end_time", b"end_time", "start_time", b"start_time", "time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_condition", b"_condition", "_exit_code", b"_exit_code", "condition", b"condition", "end_time", b"end_time", "exit_code", b"exit_code", "start_time", b"start_time", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_condition", b"_condition", "cluster_name", b"cluster_name", "condition", b"condition", "end_time", b"end_time", "epoch", b"epoch", "failure_reason", b"failure_reason", "job_id", b"job_id", "message", b"message", "recovery_count", b"recovery_count", "region", b"region", "release_slot", b"release_slot", "resources", b"resources", "restart_count", b"restart_count", "start_time", b"start_time", "status", b"status", "task_id", b"task_id", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_condition", b"_condition", "_exit_code", b"_exit_code", "attempt", b"attempt", "cluster_name", b"cluster_name", "condition", b"condition", "end_time", b"end_time", "epoch", b"epoch", "exit_code", b"exit_code", "failure_reason", b"failure_reason", "job_id", b"job_id", "message", b"message", "recovery_count", b"recovery_count", "region", b"region", "release_slot", b"release_slot", "resources", b"resources", "restart_count", b"restart_count", "start_time", b"start_time", "status", b"status", "task_id", b"task_id", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__condition: _TypeAlias = _typing.Literal["condition"]  # noqa: Y015
     _WhichOneofArgType__condition: _TypeAlias = _typing.Literal["_condition", b"_condition"]  # noqa: Y015
+    _WhichOneofReturnType__exit_code: _TypeAlias = _typing.Literal["exit_code"]  # noqa: Y015
+    _WhichOneofArgType__exit_code: _TypeAlias = _typing.Literal["_exit_code", b"_exit_code"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__condition) -> _WhichOneofReturnType__condition | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__exit_code) -> _WhichOneofReturnType__exit_code | None: ...
 
 Global___TaskTransition: _TypeAlias = TaskTransition  # noqa: Y015
 
