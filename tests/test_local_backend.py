@@ -28,9 +28,11 @@ from services.backends import (
     PrecheckError,
     ResourcesUnavailableError,
     TaskStatus,
+    backend_settings,
     make_backend,
 )
 from services.backends.local import LocalBackend
+from services.common.settings import parse
 
 
 @pytest.fixture
@@ -306,3 +308,16 @@ def test_local_settings_reach_the_backend_and_bad_ones_are_named(tmp_path: Path)
     for bad in ("0-10", "300-200000", "2000-1000", "lots"):
         with pytest.raises(ValueError, match="run_as_uids"):
             make_backend("local", {"data_dir": tmp_path, "run_as_uids": bad})
+    with pytest.raises(ValueError, match="not a user name"):
+        make_backend("local", {"data_dir": tmp_path, "run_as": "root; rm -rf /"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("MJ_RUN_AS_UIDS", "2000-1000"), ("MJ_RUN_AS", "Not A User")]
+)
+def test_a_bad_local_setting_stops_the_parser_with_its_name(
+    variable: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("mj-test", "", backend_settings(), [], environ={variable: value})
+    assert variable in capsys.readouterr().err

@@ -29,7 +29,12 @@ from services.backends.base import (
     TaskRequest,
     TaskStatus,
 )
-from services.backends.local_users import DEFAULT_RUN_AS, DEFAULT_RUN_AS_UIDS
+from services.backends.local_users import (
+    DEFAULT_RUN_AS,
+    DEFAULT_RUN_AS_UIDS,
+    run_as_setting,
+    uid_range_setting,
+)
 from services.common.settings import Setting
 
 __all__ = [
@@ -90,6 +95,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     DEFAULT_RUN_AS,
                     "user whose group runs task code, created if missing when the service "
                     "is root (local backend)",
+                    run_as_setting,
                 ),
                 Setting(
                     "run_as_uids",
@@ -97,6 +103,7 @@ BACKENDS: dict[str, BackendSpec] = {
                     DEFAULT_RUN_AS_UIDS,
                     "uids no account uses, one per cluster, when the service is root "
                     "(local backend)",
+                    uid_range_setting,
                 ),
                 Setting(
                     "workdir_roots",

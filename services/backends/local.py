@@ -62,7 +62,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,7 @@ from services.backends.local_cluster import (
     recorded_children,
     run_uid,
     signal_groups,
+    stop_process,
     supervisor_at,
     supervisor_process,
     task_end,
@@ -455,7 +456,7 @@ class LocalBackend(Backend):
                 # Our own unreaped child cannot have lent its pid to another process.
                 return (own is not None and own.pid == pid) or bool(supervisor_at(pid, layout.dir))
 
-            if await _stop_process(pid, grace + self._terminate_timeout, ours):
+            if await stop_process(pid, grace + self._terminate_timeout, ours):
                 self._report_stop(layout, grace)
             else:
                 log.warning("cluster %s: its supervisor did not stop; killing everything", name)
@@ -540,46 +541,6 @@ class LocalBackend(Backend):
         return self._root.is_dir() and os.access(self._root, os.W_OK | os.X_OK)
 
 
-async def _stop_process(pid: int, timeout: float, ours: Callable[[], bool]) -> bool:
-    """SIGTERMs `pid` and waits up to `timeout` for it to exit; SIGKILLs it if it did not.
-
-    Waits on a pidfd, so the wait ends the moment the process does; `ours` is asked
-    once the pidfd is open, so the signals cannot reach a process that reused the pid.
-
-    Returns:
-        Whether it exited by itself.
-    """
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return True
-    try:
-        if not ours():
-            return True
-        signal.pidfd_send_signal(fd, signal.SIGTERM)
-        loop = asyncio.get_running_loop()
-        exited = loop.create_future()
-
-        def on_exit() -> None:
-            if not exited.done():
-                exited.set_result(None)
-
-        loop.add_reader(fd, on_exit)
-        try:
-            await asyncio.wait_for(exited, timeout)
-            return True
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, signal.SIGKILL)
-            return False
-        finally:
-            loop.remove_reader(fd)
-    except ProcessLookupError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def _task_record(request: TaskRequest) -> dict[str, Any]:
     task = {name: getattr(request, name) for name in _REQUEST_FIELDS}
     task["envs"] = {str(k): str(v) for k, v in request.envs.items()}
@@ -612,10 +573,18 @@ def from_settings(settings: Mapping[str, Any]) -> LocalBackend:
     options: dict[str, Any] = {}
     if settings.get("tail_poll_interval"):
         options["poll_interval"] = float(settings["tail_poll_interval"])
-    return LocalBackend(
+    backend = LocalBackend(
         Path(data_dir) / "clusters",
         run_as=str(settings.get("run_as") or DEFAULT_RUN_AS),
         run_as_uids=parse_uid_range(str(settings.get("run_as_uids") or DEFAULT_RUN_AS_UIDS)),
         workdir_roots=parse_workdir_roots(str(settings.get("workdir_roots") or "")),
         **options,
     )
+    if backend.confinement.privileged:
+        # The run-as user is made when the service starts; if that fails, every
+        # launch says why (PrecheckError) rather than the service not starting.
+        try:
+            backend.confinement.group()
+        except PrecheckError as exc:
+            log.error("%s", exc)
+    return backend

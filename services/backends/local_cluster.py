@@ -4,8 +4,8 @@ A local cluster is a folder (`ClusterLayout`, described in `services.backends.lo
 plus the processes its supervisor started. This module holds what both sides need
 to read that state the same way: atomic JSON files, the supervisor's identity in
 /proc, the cluster's processes (by recorded process group, by the environment tag
-every rank carries, and by the cluster's own uid when it has one), and the task's
-end as status.json records it.
+every rank carries, and by the cluster's own uid when it has one), stopping a
+process through a pidfd, and the task's end as status.json records it.
 
 Invariants:
 - A pid counts as the supervisor only if /proc shows it running the supervisor *of
@@ -16,13 +16,14 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import json
 import os
 import signal
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -244,6 +245,46 @@ def wait_gone(procs: Iterable[psutil.Process], timeout: float) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.01)
+
+
+async def stop_process(pid: int, timeout: float, ours: Callable[[], bool]) -> bool:
+    """SIGTERMs `pid` and waits up to `timeout` for it to exit; SIGKILLs it if it did not.
+
+    Waits on a pidfd, so the wait ends the moment the process does; `ours` is asked
+    once the pidfd is open, so the signals cannot reach a process that reused the pid.
+
+    Returns:
+        Whether it exited by itself.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    try:
+        if not ours():
+            return True
+        signal.pidfd_send_signal(fd, signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        exited = loop.create_future()
+
+        def on_exit() -> None:
+            if not exited.done():
+                exited.set_result(None)
+
+        loop.add_reader(fd, on_exit)
+        try:
+            await asyncio.wait_for(exited, timeout)
+            return True
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            return False
+        finally:
+            loop.remove_reader(fd)
+    except ProcessLookupError:
+        return True
+    finally:
+        os.close(fd)
 
 
 def recorded_children(layout: ClusterLayout) -> tuple[list[int], int | None]:

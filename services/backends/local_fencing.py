@@ -99,7 +99,11 @@ class EpochFence:
     """The highest epoch seen per job, and the locks of the clusters root."""
 
     def __init__(self, root: Path) -> None:
-        """Args: root: the clusters root; the state lives in `<root>/.state`."""
+        """Describes the fence of a clusters root; creates nothing yet (see `prepare`).
+
+        Args:
+            root: The clusters root; the state lives in `<root>/.state`.
+        """
         self.state_dir = root / ".state"
         self._epochs = self.state_dir / "epochs"
         self._names = self.state_dir / "names"

@@ -27,9 +27,11 @@ a cluster. A relative workdir is refused: `mj` makes it absolute before submitti
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import pwd
+import re
 import shutil
 import subprocess
 from collections.abc import Collection, Sequence
@@ -42,6 +44,8 @@ from services.backends.local_cluster import write_atomic
 DEFAULT_RUN_AS = "mj-run"
 DEFAULT_RUN_AS_UIDS = "200000-299999"
 _MAX_QUOTE = 200
+# What useradd accepts as a user name.
+_USER_NAME_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 
 
 def parse_uid_range(text: str) -> range:
@@ -62,6 +66,22 @@ def parse_uid_range(text: str) -> range:
             f"run_as_uids {text[:_MAX_QUOTE]!r} must be FIRST-LAST with 1000 <= FIRST <= LAST"
         )
     return range(low, high + 1)
+
+
+def uid_range_setting(text: str) -> str:
+    """The `run_as_uids` setting's type: checks the text, keeps it as it is."""
+    try:
+        parse_uid_range(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def run_as_setting(text: str) -> str:
+    """The `run_as` setting's type: a user name useradd would accept."""
+    if not _USER_NAME_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"run_as {text[:_MAX_QUOTE]!r} is not a user name")
+    return text
 
 
 def parse_workdir_roots(text: str) -> tuple[Path, ...]:
@@ -93,14 +113,21 @@ class Confinement:
         *,
         privileged: bool | None = None,
     ) -> None:
-        """Args:
-        run_as: The user whose primary group the clusters' uids get.
-        uids: The uids handed out, one per cluster.
-        workdir_roots: Folders a workdir must be under (default: the current one).
-        privileged: Whether users can be changed (default: running as root).
+        """Describes the confinement; changes nothing on the host yet.
+
+        Args:
+            run_as: The user whose primary group the clusters' uids get.
+            uids: The uids handed out, one per cluster.
+            workdir_roots: Folders a workdir must be under (default: the current one).
+            privileged: Whether users can be changed (default: running as root).
+
+        Raises:
+            ValueError: `run_as` is not a user name.
         """
-        if not run_as or len(run_as) > 32:
-            raise ValueError(f"run_as {run_as[:_MAX_QUOTE]!r} is not a user name")
+        try:
+            run_as_setting(run_as)
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(str(exc)) from None
         self.run_as = run_as
         self.uids = uids
         roots = workdir_roots if workdir_roots is not None else (Path.cwd(),)
