@@ -188,7 +188,7 @@ class LocalBackend(Backend):
 
     def _prepare(self) -> None:
         """Creates the root and its state folder (blocking: from a thread)."""
-        if self._prepared:
+        if self._prepared and self._fence.state_dir.is_dir():
             return
         self._root.mkdir(parents=True, exist_ok=True)
         if self._confinement.privileged:
