@@ -19,9 +19,11 @@ import grpc
 import psutil
 import pytest
 from e2e import assert_no_tracebacks, mj
+from local_clusters import open_folder
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as pb
+from services.backends.local_users import DEFAULT_RUN_AS_UIDS, parse_uid_range
 from services.common.statuses import JobStatus, ScheduleState
 from services.stack import Stack
 
@@ -140,9 +142,9 @@ def test_failing_example_is_restarted_then_fails(
 
 
 def test_killed_supervisor_is_a_preemption_that_is_recovered(
-    stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub, tmp_path: Path
+    stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub, shared: Path
 ) -> None:
-    marker = tmp_path / "first-attempt"
+    marker = shared / "first-attempt"
     spec = (
         "name: preempted\n"
         "run: |\n"
@@ -190,6 +192,13 @@ def test_cancel_a_running_job(stack: Stack, jobs: job_service_pb2_grpc.JobServic
     assert job.status == JobStatus.CANCELLED
 
 
+@pytest.fixture
+def shared() -> Iterator[Path]:
+    """A folder every attempt of a task can write: each runs as a uid of its own."""
+    with open_folder(0o1777) as path:
+        yield path
+
+
 def test_bad_spec_through_the_cli_is_one_line(stack: Stack, tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\nrun: echo\nresources:\n  gpus: 1\n")
@@ -206,11 +215,17 @@ def test_zz_nothing_is_left_behind(stack: Stack, jobs: job_service_pb2_grpc.JobS
     assert listed
     assert all(j.schedule_state == ScheduleState.DONE for j in listed)
     clusters = stack.data_dir / "clusters"
-    assert not clusters.exists() or not any(clusters.iterdir())
+    # The root keeps only its state (fence and locks): no cluster folder.
+    assert not clusters.exists() or [p.name for p in clusters.iterdir()] == [".state"]
+    cluster_uids = parse_uid_range(DEFAULT_RUN_AS_UIDS)
     leftovers = [
         p.info["pid"]
-        for p in psutil.process_iter(["pid", "cmdline"])
-        if any(str(clusters) in part for part in (p.info["cmdline"] or []))
+        for p in psutil.process_iter(["pid", "cmdline", "uids", "status"])
+        if p.info["status"] != psutil.STATUS_ZOMBIE
+        and (
+            any(str(clusters) in part for part in (p.info["cmdline"] or []))
+            or (p.info["uids"] is not None and p.info["uids"].real in cluster_uids)
+        )
     ]
     assert leftovers == []
 

@@ -6,104 +6,44 @@ import asyncio
 import json
 import os
 import signal
-import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
 
-import psutil
 import pytest
+from local_clusters import (
+    no_process_with,
+    processes_with,
+    remove_all,
+    request,
+    sleeps_running,
+    status_file,
+    unique_sleep,
+    wait_for,
+    wait_task,
+)
 
 from services.backends import (
-    ClusterHandle,
     ClusterStatus,
+    Observation,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskRequest,
     TaskStatus,
+    backend_settings,
     make_backend,
 )
-from services.backends.local import LocalBackend, cluster_processes
-
-T = TypeVar("T")
-
-
-async def wait_for(
-    probe: Callable[[], Awaitable[T]], *, within: float = 5.0, what: str = "condition"
-) -> T:
-    """Polls `probe` until it returns something truthy; fails after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last value {value!r})")
-        await asyncio.sleep(0.02)
-
-
-async def wait_task(backend: LocalBackend, handle: ClusterHandle, status: TaskStatus) -> None:
-    async def reached() -> bool:
-        return await backend.task_status(handle) is status
-
-    await wait_for(reached, what=f"task status {status.value}")
-
-
-def processes_with(marker: str) -> list[psutil.Process]:
-    """Live processes whose command line mentions `marker`."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if any(marker in arg for arg in proc.cmdline()) and proc.status() not in (
-                psutil.STATUS_ZOMBIE,
-                psutil.STATUS_DEAD,
-            ):
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
-async def no_process_with(marker: str) -> bool:
-    return not processes_with(marker)
-
-
-async def sleeps_running(marker: str, count: int = 1) -> bool:
-    """Whether `count` of the `sleep <marker>` processes themselves (not their shells) run."""
-    sleeps = [p for p in processes_with(marker) if p.name() == "sleep"]
-    return len(sleeps) == count
-
-
-def unique_sleep() -> tuple[str, str]:
-    """A `sleep` command that is long and recognisable: (command, marker)."""
-    marker = f"1000.{uuid.uuid4().int % 10**12:012d}"
-    return f"sleep {marker}", marker
-
-
-def request(name: str, **fields: Any) -> TaskRequest:
-    return TaskRequest(
-        job_id=fields.pop("job_id", 1), task_id=0, epoch=0, cluster_name=name, **fields
-    )
-
-
-def status_file(backend: LocalBackend, name: str) -> dict[str, Any]:
-    raw: dict[str, Any] = json.loads(backend.layout(name).status_file.read_text())
-    return raw
+from services.backends.local import LocalBackend
+from services.common.settings import parse
 
 
 @pytest.fixture
 async def backend(tmp_path: Path) -> AsyncIterator[LocalBackend]:
     root = tmp_path / "clusters"
-    backend = LocalBackend(root, poll_interval=0.05)
+    backend = LocalBackend(root, poll_interval=0.05, workdir_roots=[tmp_path])
     try:
         yield backend
     finally:
         # Leave no process behind, whatever the test did.
-        if root.is_dir():
-            for cluster_dir in root.iterdir():
-                await backend.terminate(backend.handle_for(cluster_dir.name))
-                assert not cluster_processes(cluster_dir)
+        await remove_all(backend)
 
 
 async def test_hello_task_succeeds_and_its_output_is_in_the_logs(backend: LocalBackend) -> None:
@@ -112,7 +52,9 @@ async def test_hello_task_succeeds_and_its_output_is_in_the_logs(backend: LocalB
     assert handle.backend == "local" and handle.region == "local"
     await wait_task(backend, handle, TaskStatus.SUCCEEDED)
     assert await backend.read_logs(handle) == b"hello from hello\n"
-    assert await backend.task_end(handle) is not None
+    end = await backend.task_end(handle)
+    assert end is not None and end.status is TaskStatus.SUCCEEDED and end.exit_code == 0
+    assert end.end_time == status_file(backend, "hello")["end_time"]
     # The cluster stays up after its task finished, until it is terminated.
     assert await backend.cluster_status(handle) is ClusterStatus.UP
     assert status_file(backend, "hello")["exit_codes"] == {"0": 0}
@@ -142,6 +84,8 @@ async def test_nonzero_run_exit_fails_the_task_with_its_code(backend: LocalBacke
 
     await wait_task(backend, handle, TaskStatus.FAILED)
     assert status_file(backend, "exit3")["exit_codes"] == {"0": 3}
+    end = await backend.task_end(handle)
+    assert end is not None and end.status is TaskStatus.FAILED and end.exit_code == 3
     assert await backend.read_logs(handle) == b"about to fail\n"
 
 
@@ -153,6 +97,8 @@ async def test_failed_setup_never_starts_run(backend: LocalBackend) -> None:
     await wait_task(backend, handle, TaskStatus.FAILED_SETUP)
     codes = status_file(backend, "badsetup")["exit_codes"]
     assert codes["0"] == 1 and codes["1"] != 0, "the other rank's setup is stopped"
+    end = await backend.task_end(handle)
+    assert end is not None and end.exit_code == 1, "the code of the setup that failed first"
     assert not (backend.layout("badsetup").workdir / "ran").exists()
     assert not processes_with(marker)
 
@@ -165,6 +111,8 @@ async def test_one_failed_rank_stops_the_others(backend: LocalBackend) -> None:
     await wait_task(backend, handle, TaskStatus.FAILED)
     codes = status_file(backend, "onefails")["exit_codes"]
     assert codes["1"] == 4 and codes["0"] != 0
+    end = await backend.task_end(handle)
+    assert end is not None and end.exit_code == 4, "the rank that failed first, not rank 0"
     assert not processes_with(marker)
 
 
@@ -183,7 +131,7 @@ async def test_killed_supervisor_is_preemption_and_takes_user_processes_along(
         return await backend.cluster_status(handle) is ClusterStatus.DOWN
 
     await wait_for(down, what="cluster DOWN")
-    assert await backend.task_status(handle) is None
+    assert await backend.observe(handle) == Observation(ClusterStatus.DOWN), "no task, no end"
     await wait_for(lambda: no_process_with(marker), what="user processes gone")
     # Logs of a preempted cluster remain readable until it is torn down.
     assert await backend.read_logs(handle) == b"started\n"
@@ -323,8 +271,53 @@ async def test_reachable_creates_a_writable_root(backend: LocalBackend) -> None:
     assert backend.root.is_dir()
 
 
+async def test_a_missing_cluster_is_down_without_an_end(backend: LocalBackend) -> None:
+    assert await backend.observe(backend.handle_for("nothing")) == Observation(ClusterStatus.DOWN)
+
+
+def test_launches_scale_with_the_cpus_and_the_only_region_is_local(
+    backend: LocalBackend,
+) -> None:
+    assert backend.launch_concurrency == 4 * (os.cpu_count() or 1)
+    assert backend.regions() == ["local"]
+
+
 def test_make_backend_knows_local_and_names_unknown_ones(tmp_path: Path) -> None:
     backend = make_backend("local", {"data_dir": tmp_path})
     assert isinstance(backend, LocalBackend) and backend.root == tmp_path.resolve() / "clusters"
+    assert backend.confinement.run_as == "mj-run"
+    assert backend.confinement.workdir_roots == (Path.cwd().resolve(),)
     with pytest.raises(ValueError, match="nimbus"):
         make_backend("nimbus", {})
+
+
+def test_local_settings_reach_the_backend_and_bad_ones_are_named(tmp_path: Path) -> None:
+    backend = make_backend(
+        "local",
+        {
+            "data_dir": tmp_path,
+            "run_as": "nobody",
+            "run_as_uids": "300000-300009",
+            "workdir_roots": f"{tmp_path}:/srv",
+        },
+    )
+    assert isinstance(backend, LocalBackend)
+    assert backend.confinement.run_as == "nobody"
+    assert backend.confinement.uids == range(300000, 300010)
+    assert backend.confinement.workdir_roots == (tmp_path.resolve(), Path("/srv"))
+    for bad in ("0-10", "300-200000", "2000-1000", "lots"):
+        with pytest.raises(ValueError, match="run_as_uids"):
+            make_backend("local", {"data_dir": tmp_path, "run_as_uids": bad})
+    with pytest.raises(ValueError, match="not a user name"):
+        make_backend("local", {"data_dir": tmp_path, "run_as": "root; rm -rf /"})
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"), [("MJ_RUN_AS_UIDS", "2000-1000"), ("MJ_RUN_AS", "Not A User")]
+)
+def test_a_bad_local_setting_stops_the_parser_with_its_name(
+    variable: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse("mj-test", "", backend_settings(), [], environ={variable: value})
+    assert variable in capsys.readouterr().err

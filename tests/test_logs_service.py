@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
+from local_clusters import open_folder
 
 from managedjobs.v1 import (
     job_pb2,
@@ -489,27 +490,29 @@ async def test_follow_of_a_task_that_never_ran_ends_when_the_job_is_done(system:
 
 async def test_follow_of_a_real_local_cluster_sends_its_output_once(tmp_path: Path) -> None:
     backend = LocalBackend(tmp_path / "clusters", poll_interval=0.02)
-    go = tmp_path / "go"
-    run = f"echo one; while [ ! -e {go} ]; do sleep 0.01; done; echo two"
-    request = TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="mj-1-0", run=run)
-    async with running_system(tmp_path, backend) as system:
-        system.scheduler.add(1)
-        system.scheduler.update(1, status=job_pb2.JOB_STATUS_STARTING, cluster_name="mj-1-0")
-        handle = await backend.launch(request)
-        try:
-            system.scheduler.update(1, status=RUNNING)
-            follow = Follow(system, job_id=1)
-            await follow.until(b"one\n")
-            go.touch()
-            await follow.until(b"two\n")
-            system.scheduler.update(1, status=SUCCEEDED)
-            assert await system.fetch(1, 0, "mj-1-0", handle) == len(b"one\ntwo\n")
-        finally:
-            await backend.terminate(handle)
-        system.scheduler.update(1, schedule_state=DONE)
+    # The task runs as a uid of its own: it sees only folders open to everyone.
+    with open_folder(0o755) as shared:
+        go = shared / "go"
+        run = f"echo one; while [ ! -e {go} ]; do sleep 0.01; done; echo two"
+        request = TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="mj-1-0", run=run)
+        async with running_system(tmp_path, backend) as system:
+            system.scheduler.add(1)
+            system.scheduler.update(1, status=job_pb2.JOB_STATUS_STARTING, cluster_name="mj-1-0")
+            handle = await backend.launch(request)
+            try:
+                system.scheduler.update(1, status=RUNNING)
+                follow = Follow(system, job_id=1)
+                await follow.until(b"one\n")
+                go.touch()
+                await follow.until(b"two\n")
+                system.scheduler.update(1, status=SUCCEEDED)
+                assert await system.fetch(1, 0, "mj-1-0", handle) == len(b"one\ntwo\n")
+            finally:
+                await backend.terminate(handle)
+            system.scheduler.update(1, schedule_state=DONE)
 
-        assert await follow.to_end() == b"one\ntwo\n"
-        assert await system.read(job_id=1) == b"one\ntwo\n"
+            assert await follow.to_end() == b"one\ntwo\n"
+            assert await system.read(job_id=1) == b"one\ntwo\n"
 
 
 async def test_follow_survives_a_scheduler_restart(system: System) -> None:

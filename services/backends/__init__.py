@@ -29,6 +29,12 @@ from services.backends.base import (
     TaskRequest,
     TaskStatus,
 )
+from services.backends.local_users import (
+    DEFAULT_RUN_AS,
+    DEFAULT_RUN_AS_UIDS,
+    run_as_setting,
+    uid_range_setting,
+)
 from services.common.settings import Setting
 
 __all__ = [
@@ -79,7 +85,34 @@ BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
         BackendSpec(
-            "local", "services.backends.local:from_settings", "processes on this host (default)"
+            "local",
+            "services.backends.local:from_settings",
+            "processes on this host (default)",
+            (
+                Setting(
+                    "run_as",
+                    "MJ_RUN_AS",
+                    DEFAULT_RUN_AS,
+                    "user whose group runs task code, created if missing when the service "
+                    "is root (local backend)",
+                    run_as_setting,
+                ),
+                Setting(
+                    "run_as_uids",
+                    "MJ_RUN_AS_UIDS",
+                    DEFAULT_RUN_AS_UIDS,
+                    "uids no account uses, one per cluster, when the service is root "
+                    "(local backend)",
+                    uid_range_setting,
+                ),
+                Setting(
+                    "workdir_roots",
+                    "MJ_WORKDIR_ROOTS",
+                    "",
+                    "colon-separated folders a task's workdir must be under; empty: the "
+                    "service's working folder (local backend)",
+                ),
+            ),
         ),
         BackendSpec(
             "sim",

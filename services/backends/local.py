@@ -1,34 +1,51 @@
 """The `local` backend: clusters made of real processes on this host (SPEC §10).
 
-A local cluster is a directory `<root>/<cluster_name>/` plus one supervisor process
+A local cluster is a folder `<root>/<cluster_name>/` plus one supervisor process
 (`services.backends.supervisor`) that runs the task's setup and run for every node
-rank and records what happened. The directory is the cluster's whole state, so any
+rank and records what happened. The folder is the cluster's whole state, so any
 process on this host (every controller replica, the logs service) can find and
 judge a cluster from its name alone:
 
-    task.json        the TaskRequest, written by `launch` before the supervisor starts
-    supervisor.pid   the supervisor's pid, written once status.json exists
-    status.json      {"status", "exit_codes", "start_time", "end_time"}, replaced atomically
-    children.json    process groups of every rank process, and the guardian's pid
-    supervisor.log   the supervisor's own stdout and stderr
-    logs/rank-<r>.log  stdout and stderr of rank r (setup, then run)
-    workdir/         a copy of the task's workdir; every rank's working directory
+    <root>/.state/     epochs, locks and the uid hand-out (`local_fencing`), owner only
+    <root>/<name>/     the cluster, root's, mode 0711 (`local_users` on who may enter)
+      task.json          the TaskRequest, launch_id and run_as, written by `launch`
+      status.json        {"status", "exit_codes", "exit_code", "start_time",
+                         "end_time", "pid", "stop"}, replaced atomically by the supervisor
+      supervisor.pid     the supervisor's pid, written once status.json exists
+      children.json      process groups of the rank processes, and the guardian's pid
+      stop.json          {"grace"}: how long `terminate` lets the ranks stop
+      preemption-notice  the deadline of a preemption notice ($MJ_PREEMPTION_NOTICE_FILE)
+      supervisor.log     the supervisor's own stdout and stderr
+      logs/rank-<r>.log  stdout and stderr of rank r (setup, then run)
+      workdir/           a copy of the task's workdir; every rank's working directory
+      home/              every rank's HOME
+    (as root, workdir/ and home/ belong to the cluster's own uid, mode 0700; the
+    rest is root's and private, but for supervisor.pid and preemption-notice)
 
 Invariants:
 - The supervisor alive means the cluster is UP; a dead (or zombie) supervisor
-  means DOWN, and then the task status is not trusted (`task_status` is None):
-  that is how the controller tells preemption (kill the supervisor) from a crash
-  of the user's code (a finished status with a non-zero exit code).
-- A pid counts only if /proc shows it is the supervisor *of this directory*, so a
-  reused pid never passes for a live cluster.
-- Every process of a cluster dies with its supervisor: ranks get PR_SET_PDEATHSIG,
-  and a guardian process kills the ranks' process groups (and anything carrying
-  the cluster's environment tag) when the supervisor dies by any means.
-- `terminate` is idempotent: it kills everything of the cluster it can find (by pid
-  file, recorded process groups and a process scan) and removes the directory;
-  `cluster_exists` checks both, so it is the proof that teardown worked.
-- Relaunching a name whose cluster still exists terminates the stale cluster first
-  (a relaunch after preemption reuses the name); the new attempt starts clean.
+  means DOWN, and then the task status is not trusted (None): that is how the
+  controller tells preemption (kill the supervisor) from a crash of the user's
+  code (a finished status with a non-zero exit code). The task's end recorded in
+  status.json stays readable after DOWN, until `terminate` removes the folder.
+- One look (`observe`) reads status.json once, then checks that the pid it names
+  is still this folder's supervisor: a status is trusted only if its writer
+  outlived the read.
+- Every process of a cluster dies with its supervisor (PR_SET_PDEATHSIG and a
+  guardian, see the supervisor).
+- Launches, terminations and preemption notices of one name are serialized across
+  processes and fenced by epoch (`local_fencing`): a stale epoch is refused
+  (`StaleEpochError`); epoch 0 (an operator's cleanup) may always terminate. A
+  launch by the current or a newer epoch replaces a cluster of the same name; a
+  launch that waited while another launch of the very same task attempt finished
+  takes that cluster instead of starting a second supervisor.
+- `terminate` lets the ranks stop: the supervisor sends them SIGTERM, waits up to
+  `grace` seconds, then SIGKILL (a DOWN cluster's ranks died with it: nothing to
+  wait for); then `terminate` kills everything of the cluster it can find
+  (recorded process groups, the cluster's uid, its environment tag) and removes
+  the folder. It is idempotent, and `cluster_exists` is the proof that teardown
+  worked. `notify_preemption` writes the notice file and sends SIGTERM to the
+  ranks only: the cluster stays up.
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
+import logging
 import os
 import re
 import shutil
@@ -44,286 +61,62 @@ import signal
 import subprocess
 import sys
 import time
-import weakref
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from services.backends import local_logs
 from services.backends.base import (
     Backend,
-    BackendError,
     ClusterHandle,
     ClusterStatus,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskEnd,
     TaskRequest,
     TaskStatus,
 )
+from services.backends.local_cluster import (
+    SUPERVISOR_MODULE,
+    ClusterLayout,
+    cluster_processes,
+    kill_cluster_processes,
+    read_json,
+    read_pid,
+    recorded_children,
+    run_uid,
+    signal_groups,
+    stop_process,
+    supervisor_at,
+    supervisor_process,
+    task_end,
+    write_atomic,
+    write_json_atomic,
+)
+from services.backends.local_fencing import EpochFence
+from services.backends.local_users import (
+    DEFAULT_RUN_AS,
+    DEFAULT_RUN_AS_UIDS,
+    Confinement,
+    RunAs,
+    give_to,
+    parse_uid_range,
+    parse_workdir_roots,
+)
+
+log = logging.getLogger(__name__)
 
 LOCAL_REGION = "local"
-SUPERVISOR_MODULE = "services.backends.supervisor"
-# Every rank process (and what it spawns, unless it clears its environment) carries
-# this variable set to the cluster directory, so teardown can find escaped processes.
-CLUSTER_DIR_ENV = "MJ_CLUSTER_DIR"
 
 _CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Where `python -m services.backends.supervisor` can import this package from.
 _IMPORT_ROOT = Path(__file__).resolve().parents[2]
-_READ_CHUNK = 1 << 20
-
-
-@dataclasses.dataclass(frozen=True)
-class ClusterLayout:
-    """The files of one local cluster (see the module docstring)."""
-
-    dir: Path
-
-    @property
-    def task_file(self) -> Path:
-        return self.dir / "task.json"
-
-    @property
-    def status_file(self) -> Path:
-        return self.dir / "status.json"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.dir / "supervisor.pid"
-
-    @property
-    def children_file(self) -> Path:
-        return self.dir / "children.json"
-
-    @property
-    def supervisor_log(self) -> Path:
-        return self.dir / "supervisor.log"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.dir / "logs"
-
-    @property
-    def workdir(self) -> Path:
-        return self.dir / "workdir"
-
-    def rank_log(self, rank: int) -> Path:
-        return self.logs_dir / f"rank-{rank}.log"
-
-
-def write_json_atomic(path: Path, value: Any) -> None:
-    """Writes JSON so that readers see the old or the new content, never a mix."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(value, sort_keys=True, default=str))
-    os.replace(tmp, path)
-
-
-def read_json(path: Path) -> Any | None:
-    """The parsed content of `path`, or None when it is missing or unreadable."""
-    try:
-        return json.loads(path.read_bytes())
-    except (OSError, ValueError):
-        return None
-
-
-def read_pid(path: Path) -> int | None:
-    """The pid stored in `path`, or None."""
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _alive(proc: psutil.Process) -> bool:
-    # is_running() also guards against pid reuse since `proc` was created.
-    try:
-        return proc.is_running() and proc.status() not in (
-            psutil.STATUS_ZOMBIE,
-            psutil.STATUS_DEAD,
-        )
-    except psutil.Error:
-        return False
-
-
-def is_supervisor(proc: psutil.Process, cluster_dir: Path) -> bool:
-    """Whether `proc` is the supervisor (or its guardian) of `cluster_dir`, alive."""
-    try:
-        cmdline = proc.cmdline()
-    except psutil.Error:
-        return False
-    return SUPERVISOR_MODULE in cmdline and str(cluster_dir) in cmdline and _alive(proc)
-
-
-def supervisor_process(layout: ClusterLayout) -> psutil.Process | None:
-    """The live supervisor of the cluster per its pid file, or None."""
-    pid = read_pid(layout.pid_file)
-    if pid is None:
-        return None
-    try:
-        proc = psutil.Process(pid)
-    except psutil.Error:
-        return None
-    return proc if is_supervisor(proc, layout.dir) else None
-
-
-def cluster_processes(
-    cluster_dir: Path, *, include_supervisor: bool = True
-) -> list[psutil.Process]:
-    """Every live process of the cluster: supervisor, guardian and tagged rank processes.
-
-    Args:
-        cluster_dir: The cluster's directory (absolute).
-        include_supervisor: Also return the supervisor and guardian processes.
-
-    Returns:
-        The processes, never including the caller.
-    """
-    target = str(cluster_dir)
-    found = []
-    for proc in psutil.process_iter():
-        if proc.pid == os.getpid():
-            continue
-        try:
-            tagged = proc.environ().get(CLUSTER_DIR_ENV) == target
-        except psutil.Error:
-            tagged = False
-        if (tagged and _alive(proc)) or (include_supervisor and is_supervisor(proc, cluster_dir)):
-            found.append(proc)
-    return found
-
-
-def signal_groups(pgids: Iterable[int], sig: signal.Signals) -> None:
-    """Sends `sig` to each process group, ignoring groups that are gone."""
-    for pgid in pgids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(pgid, sig)
-
-
-def kill_cluster_processes(
-    cluster_dir: Path, pgids: Iterable[int], *, include_supervisor: bool = True
-) -> None:
-    """SIGKILLs the given process groups and every process of the cluster, then waits.
-
-    Args:
-        cluster_dir: The cluster's directory (absolute).
-        pgids: Process groups of the cluster's ranks.
-        include_supervisor: Also kill the supervisor and guardian.
-    """
-    signal_groups(pgids, signal.SIGKILL)
-    procs = cluster_processes(cluster_dir, include_supervisor=include_supervisor)
-    for proc in procs:
-        with contextlib.suppress(psutil.Error):
-            proc.kill()
-    wait_gone(procs, timeout=2.0)
-
-
-def wait_gone(procs: Iterable[psutil.Process], timeout: float) -> bool:
-    """Waits until no process of `procs` is alive (zombies count as gone).
-
-    Unlike `psutil.wait_procs`, a zombie that its parent has not reaped yet does not
-    hold the wait up to the timeout.
-
-    Returns:
-        Whether they all went before the timeout.
-    """
-    pending = list(procs)
-    deadline = time.monotonic() + timeout
-    while True:
-        pending = [p for p in pending if _alive(p)]
-        if not pending:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-
-
-def recorded_children(layout: ClusterLayout) -> tuple[list[int], int | None]:
-    """The rank process groups and guardian pid recorded in children.json."""
-    raw = read_json(layout.children_file)
-    if not isinstance(raw, dict):
-        return [], None
-    pgids = [int(p) for p in raw.get("pgids", []) if isinstance(p, int) and p > 1]
-    guardian = raw.get("guardian_pid")
-    return pgids, guardian if isinstance(guardian, int) and guardian > 1 else None
-
-
-def _prefix_lines(data: bytes, rank: int) -> bytes:
-    """Prefixes each line with its rank; an unterminated last line gets a newline so
-    that it cannot run into another rank's output."""
-    prefix = f"(rank={rank}) ".encode()
-    out = b"".join(prefix + line for line in data.splitlines(keepends=True))
-    return out if not out or out.endswith((b"\n", b"\r")) else out + b"\n"
-
-
-def _num_nodes(layout: ClusterLayout) -> int:
-    raw = read_json(layout.task_file)
-    if isinstance(raw, dict) and isinstance(raw.get("num_nodes"), int):
-        return max(1, raw["num_nodes"])
-    ranks = [
-        int(m.group(1))
-        for p in layout.logs_dir.glob("rank-*.log")
-        if (m := re.fullmatch(r"rank-(\d+)\.log", p.name))
-    ]
-    return max(ranks, default=0) + 1
-
-
-def _existing_workdir(workdir: str) -> Path | None:
-    if not workdir:
-        return None
-    path = Path(workdir).expanduser()
-    if not path.is_dir():
-        raise PrecheckError(f"workdir {workdir!r} is not an existing directory")
-    return path
-
-
-class _LogFollower:
-    """Reads what the ranks appended since the last call; whole lines when prefixing."""
-
-    def __init__(self, layout: ClusterLayout) -> None:
-        self._layout = layout
-        self._num_nodes: int | None = None
-        self._offsets: dict[int, int] = {}
-        self._partial: dict[int, bytes] = {}
-
-    def read_new(self) -> bytes:
-        if self._num_nodes is None:
-            if not self._layout.task_file.exists():
-                return b""
-            self._num_nodes = _num_nodes(self._layout)
-        out = []
-        for rank in range(self._num_nodes):
-            offset = self._offsets.get(rank, 0)
-            try:
-                with open(self._layout.rank_log(rank), "rb") as f:
-                    f.seek(offset)
-                    data = f.read(_READ_CHUNK)
-            except OSError:
-                continue
-            self._offsets[rank] = offset + len(data)
-            if self._num_nodes == 1:
-                out.append(data)
-                continue
-            head, newline, rest = (self._partial.get(rank, b"") + data).rpartition(b"\n")
-            if newline:
-                out.append(_prefix_lines(head + newline, rank))
-            if len(rest) >= _READ_CHUNK:
-                # A line this long is passed on in pieces rather than held back.
-                out.append(_prefix_lines(rest, rank))
-                rest = b""
-            self._partial[rank] = rest
-        return b"".join(out)
-
-    def flush(self) -> bytes:
-        rest = b"".join(_prefix_lines(data, rank) for rank, data in sorted(self._partial.items()))
-        self._partial.clear()
-        return rest
+_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(TaskRequest))
 
 
 class LocalBackend(Backend):
-    """Clusters as a directory plus a supervisor process on this host."""
+    """Clusters as a folder plus a supervisor process on this host."""
 
     name = "local"
     # A launch starts a process: 4 per CPU, as SkyPilot sizes its launch parallelism.
@@ -336,37 +129,57 @@ class LocalBackend(Backend):
         poll_interval: float = 0.2,
         terminate_timeout: float = 5.0,
         start_timeout: float = 30.0,
+        run_as: str = DEFAULT_RUN_AS,
+        run_as_uids: range = parse_uid_range(DEFAULT_RUN_AS_UIDS),
+        workdir_roots: Sequence[Path] | None = None,
     ) -> None:
         """Creates the backend.
 
         Args:
-            root: Directory holding one subdirectory per cluster (created on demand).
+            root: Folder holding one subfolder per cluster (created on demand).
             poll_interval: Seconds between polls of the log files in `tail_logs`.
-            terminate_timeout: Seconds `terminate` lets the supervisor stop gracefully.
+            terminate_timeout: Seconds `terminate` waits, beyond the grace, for the
+                supervisor to stop its ranks before it kills everything itself.
             start_timeout: Seconds a launch may take for the supervisor to come up;
-                after that a cluster directory without a supervisor counts as DOWN.
+                after that a cluster folder without a supervisor counts as DOWN.
+            run_as: The user whose group runs user code (created if root and missing).
+            run_as_uids: The uids handed out, one per cluster, when root.
+            workdir_roots: Folders a task's workdir must be under (default: the
+                current folder).
         """
         self._root = Path(root).expanduser().resolve()
         self._poll_interval = poll_interval
         self._terminate_timeout = terminate_timeout
         self._start_timeout = start_timeout
+        self._fence = EpochFence(self._root)
+        self._confinement = Confinement(run_as, run_as_uids, workdir_roots)
+        # A launch is a process (and a copy of the workdir), not an RPC.
+        self.launch_concurrency = 4 * (os.cpu_count() or 1)
         # Supervisors this process started, kept so their exit status is reaped.
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self._prepared = False
 
     @property
     def root(self) -> Path:
-        """The directory holding the clusters."""
+        """The folder holding the clusters."""
         return self._root
+
+    @property
+    def confinement(self) -> Confinement:
+        """Who user code runs as and where its workdir may come from."""
+        return self._confinement
+
+    def regions(self) -> Sequence[str]:
+        return [LOCAL_REGION]
 
     def layout(self, cluster_name: str) -> ClusterLayout:
         """The files of a cluster.
 
         Raises:
-            PrecheckError: the name cannot be a directory name.
+            PrecheckError: the name cannot be a folder name.
         """
         if not _CLUSTER_NAME_RE.fullmatch(cluster_name):
-            raise PrecheckError(f"invalid cluster name {cluster_name!r}")
+            raise PrecheckError(f"invalid cluster name {cluster_name[:200]!r}")
         return ClusterLayout(self._root / cluster_name)
 
     def _layout_or_none(self, cluster_name: str) -> ClusterLayout | None:
@@ -375,12 +188,23 @@ class LocalBackend(Backend):
         except PrecheckError:
             return None
 
-    def _lock(self, cluster_name: str) -> asyncio.Lock:
-        lock = self._locks.get(cluster_name)
-        if lock is None:
-            lock = asyncio.Lock()
-            self._locks[cluster_name] = lock
-        return lock
+    def _prepare(self) -> None:
+        """Creates the root and its state folder (blocking: from a thread)."""
+        if self._prepared and self._fence.state_dir.is_dir():
+            return
+        self._root.mkdir(parents=True, exist_ok=True)
+        if self._confinement.privileged:
+            # Ranks must pass through the root to their folder, but not list it.
+            self._root.chmod(0o711)
+            closed = [p for p in self._root.parents if not p.stat().st_mode & 0o001]
+            if closed:
+                log.warning(
+                    "user code cannot reach its cluster folder by path: %s is not "
+                    "searchable by others",
+                    closed[-1],
+                )
+        self._fence.prepare()
+        self._prepared = True
 
     def _reap(self, cluster_name: str) -> subprocess.Popen[bytes] | None:
         """Our own supervisor for the name if still running; reaps it once it exited."""
@@ -396,17 +220,18 @@ class LocalBackend(Backend):
         candidate_regions: Sequence[str] = (),
         blocked_regions: Sequence[str] = (),
     ) -> ClusterHandle:
-        """Creates the cluster directory and starts its supervisor.
+        """Creates the cluster folder and starts its supervisor.
 
         A cluster of the same name that still exists (a relaunch after preemption)
         is terminated first. Returns once the supervisor is up and status.json
         exists, so a fresh handle never looks preempted.
 
         Raises:
-            PrecheckError: a region other than "local", a missing workdir, a bad
-                cluster name or node count.
-            ResourcesUnavailableError: "local" is blocked, or the supervisor did not
-                come up (regions_tried is ["local"]).
+            PrecheckError: a region other than "local", a workdir that is missing
+                or outside the workdir roots, a bad cluster name or node count.
+            ResourcesUnavailableError: "local" is blocked, no uid is free, or the
+                supervisor did not come up (regions_tried is ["local"]).
+            StaleEpochError: a newer epoch of the job has been seen.
         """
         if request.region not in ("", LOCAL_REGION):
             raise PrecheckError(
@@ -421,171 +246,243 @@ class LocalBackend(Backend):
         if request.num_nodes < 1:
             raise PrecheckError(f"num_nodes must be >= 1, not {request.num_nodes}")
         layout = self.layout(request.cluster_name)
-        workdir = await asyncio.to_thread(_existing_workdir, request.workdir)
+        workdir = await asyncio.to_thread(self._confinement.resolve_workdir, request.workdir)
         if LOCAL_REGION in blocked_regions:
             raise ResourcesUnavailableError(
                 f"region {LOCAL_REGION!r} is blocked", regions_tried=[LOCAL_REGION]
             )
+        await asyncio.to_thread(self._prepare)
+        task = _task_record(request)
+        seen = _launch_id(read_json(layout.task_file))
 
-        async with self._lock(request.cluster_name):
-            await self._terminate(layout)
+        async with self._fence.cluster_lock(request.cluster_name):
+            await asyncio.to_thread(
+                self._fence.admit, request.job_id, request.epoch, action="launch"
+            )
+            current = read_json(layout.task_file)
+            if _launch_id(current) not in (None, seen) and _same_task(current, task):
+                # Another launch of this very attempt finished while we waited.
+                joined = self._live_handle(layout)
+                if joined is not None:
+                    return joined
+            await self._stop_and_remove(layout, grace=0.0)
+            starting = asyncio.ensure_future(asyncio.to_thread(self._start, layout, task, workdir))
             try:
-                proc = await asyncio.to_thread(self._start, layout, request, workdir)
+                proc = await asyncio.shield(starting)
                 self._procs[request.cluster_name] = proc
                 await self._await_supervisor(layout, proc)
             except BaseException:
                 # Leave nothing half-launched behind, even when cancelled.
-                await asyncio.shield(self._terminate(layout))
+                await asyncio.shield(self._abort(layout, starting))
                 raise
-        return ClusterHandle(
-            cluster_name=request.cluster_name,
-            backend=self.name,
-            region=LOCAL_REGION,
-            data={"dir": str(layout.dir), "pid": proc.pid},
-        )
+        return self._handle(layout, proc.pid)
+
+    def _handle(self, layout: ClusterLayout, pid: int | None) -> ClusterHandle:
+        data: dict[str, Any] = {"dir": str(layout.dir)}
+        if pid is not None:
+            data["pid"] = pid
+        return ClusterHandle(layout.dir.name, backend=self.name, region=LOCAL_REGION, data=data)
+
+    def _live_handle(self, layout: ClusterLayout) -> ClusterHandle | None:
+        supervisor = supervisor_process(layout)
+        return None if supervisor is None else self._handle(layout, supervisor.pid)
 
     def handle_for(self, cluster_name: str) -> ClusterHandle:
         """The handle of a cluster known only by name.
 
         Every method finds a local cluster from its name alone; `data` carries the
-        directory and, when the supervisor has written it, its pid.
+        folder and, when the supervisor has written it, its pid.
         """
-        data: dict[str, Any] = {}
         layout = self._layout_or_none(cluster_name)
-        if layout is not None:
-            data["dir"] = str(layout.dir)
-            pid = read_pid(layout.pid_file)
-            if pid is not None:
-                data["pid"] = pid
-        return ClusterHandle(cluster_name, backend=self.name, region=LOCAL_REGION, data=data)
+        if layout is None:
+            return ClusterHandle(cluster_name, backend=self.name, region=LOCAL_REGION)
+        return self._handle(layout, read_pid(layout.pid_file))
 
     def _start(
-        self, layout: ClusterLayout, request: TaskRequest, workdir: Path | None
+        self, layout: ClusterLayout, task: dict[str, Any], workdir: Path | None
     ) -> subprocess.Popen[bytes]:
-        layout.dir.mkdir(parents=True)
-        task = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
-        task["envs"] = {str(k): str(v) for k, v in request.envs.items()}
-        task["sim"] = dict(request.sim)
-        write_json_atomic(layout.task_file, task)
-        if workdir is not None:
-            shutil.copytree(workdir, layout.workdir, symlinks=True)
-        layout.logs_dir.mkdir()
-        with open(layout.supervisor_log, "ab") as log:
+        with self._fence.locked():
+            run_as = self._confinement.allocate(
+                self._uids_in_use(), self._fence.state_dir / "next-uid"
+            )
+            layout.dir.mkdir()
+            layout.dir.chmod(0o711)
+            task["run_as"] = run_as.to_json() if run_as else None
+            write_json_atomic(layout.task_file, task)
+        self._make_user_folders(layout, workdir, run_as)
+        layout.logs_dir.mkdir(mode=0o700)
+        fd = os.open(layout.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
             # cwd makes `-m services...` importable even without an installed package;
-            # the supervisor chdirs into its cluster directory right away.
+            # the supervisor chdirs into its cluster folder right away.
             return subprocess.Popen(
                 [sys.executable, "-m", SUPERVISOR_MODULE, str(layout.dir)],
                 cwd=_IMPORT_ROOT,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
+        finally:
+            os.close(fd)
+
+    def _uids_in_use(self) -> set[int]:
+        used = set()
+        for entry in self._root.iterdir():
+            if not entry.name.startswith(".") and entry.is_dir():
+                uid = run_uid(read_json(entry / "task.json"))
+                if uid is not None:
+                    used.add(uid)
+        return used
+
+    @staticmethod
+    def _make_user_folders(
+        layout: ClusterLayout, workdir: Path | None, run_as: RunAs | None
+    ) -> None:
+        if workdir is not None:
+            shutil.copytree(workdir, layout.workdir, symlinks=True)
+        else:
+            layout.workdir.mkdir()
+        layout.home.mkdir()
+        give_to(layout.workdir, run_as)
+        give_to(layout.home, run_as)
 
     async def _await_supervisor(self, layout: ClusterLayout, proc: subprocess.Popen[bytes]) -> None:
         deadline = time.monotonic() + self._start_timeout
         while read_pid(layout.pid_file) is None:
             if proc.poll() is not None or time.monotonic() > deadline:
                 try:
-                    log = layout.supervisor_log.read_bytes()[-2000:].decode(errors="replace")
+                    out = layout.supervisor_log.read_bytes()[-2000:].decode(errors="replace")
                 except OSError:
-                    log = ""
+                    out = ""
                 raise ResourcesUnavailableError(
-                    f"the supervisor of {layout.dir.name} did not start: {log.strip()}",
+                    f"the supervisor of {layout.dir.name} did not start: {out.strip()}",
                     regions_tried=[LOCAL_REGION],
                 )
             await asyncio.sleep(0.02)
 
-    async def cluster_status(self, handle: ClusterHandle) -> ClusterStatus:
-        """UP while the cluster's own supervisor lives; INIT during launch; else DOWN."""
-        layout = self._layout_or_none(handle.cluster_name)
-        if layout is None or not layout.dir.is_dir():
-            return ClusterStatus.DOWN
-        own = self._reap(handle.cluster_name)
-        if read_pid(layout.pid_file) is None:
-            if own is not None:
-                return ClusterStatus.INIT
-            try:
-                age = time.time() - layout.dir.stat().st_mtime
-            except OSError:
-                return ClusterStatus.DOWN
-            return ClusterStatus.INIT if age < self._start_timeout else ClusterStatus.DOWN
-        return ClusterStatus.UP if supervisor_process(layout) else ClusterStatus.DOWN
-
-    async def task_status(self, handle: ClusterHandle) -> TaskStatus | None:
-        """The status in status.json, or None unless the cluster is UP."""
-        layout = self._layout_or_none(handle.cluster_name)
-        if layout is None:
-            return None
-        raw = read_json(layout.status_file)
-        # Read first, then check: a status is trusted only if the supervisor that
-        # wrote it is still alive afterwards.
-        if await self.cluster_status(handle) is not ClusterStatus.UP:
-            return None
-        try:
-            return TaskStatus(raw["status"]) if isinstance(raw, dict) else None
-        except (KeyError, ValueError):
-            return None
+    async def _abort(
+        self, layout: ClusterLayout, starting: asyncio.Future[subprocess.Popen[bytes]]
+    ) -> None:
+        # The start may still be running in its thread: let it finish, then undo it.
+        with contextlib.suppress(Exception):
+            self._procs[layout.dir.name] = await starting
+        await self._stop_and_remove(layout, grace=0.0)
 
     async def observe(self, handle: ClusterHandle) -> Observation:
-        cluster = await self.cluster_status(handle)
-        task = await self.task_status(handle) if cluster is ClusterStatus.UP else None
+        """UP while the cluster's supervisor lives, INIT while it launches, else DOWN;
+        the task's status while UP, and its end whenever status.json records one."""
         layout = self._layout_or_none(handle.cluster_name)
-        raw = read_json(layout.status_file) if layout else None
-        end = None
-        if isinstance(raw, dict) and isinstance(raw.get("end_time"), (int, float)):
-            try:
-                status = TaskStatus(raw.get("status"))
-            except ValueError:
-                status = None
-            if status is not None and status.finished:
-                end = TaskEnd(status, None, float(raw["end_time"]))
-        return Observation(cluster, task, end)
+        return Observation(ClusterStatus.DOWN) if layout is None else self._look(layout)
 
-    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
-        raise BackendError("the local backend does not take preemption notices yet")
+    def _look(self, layout: ClusterLayout) -> Observation:
+        status = read_json(layout.status_file)
+        if not isinstance(status, dict):
+            return Observation(self._without_status(layout))
+        end = task_end(status)
+        # Checked after the read: the status counts only if its writer still lives.
+        if supervisor_at(status.get("pid"), layout.dir) is None:
+            return Observation(ClusterStatus.DOWN, None, end)
+        try:
+            task = TaskStatus(status.get("status"))
+        except ValueError:
+            task = None
+        return Observation(ClusterStatus.UP, task, end)
+
+    def _without_status(self, layout: ClusterLayout) -> ClusterStatus:
+        """INIT while a launch may still bring the supervisor up, else DOWN."""
+        if self._reap(layout.dir.name) is not None:
+            return ClusterStatus.INIT
+        try:
+            age = time.time() - layout.dir.stat().st_mtime
+        except OSError:
+            return ClusterStatus.DOWN
+        return ClusterStatus.INIT if age < self._start_timeout else ClusterStatus.DOWN
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
-        """Stops the supervisor (gracefully, then SIGKILL), kills leftovers, removes the dir."""
+        """Stops the ranks (SIGTERM, `grace` seconds, SIGKILL), kills every process of
+        the cluster and removes its folder.
+
+        Raises:
+            StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
+        """
         layout = self._layout_or_none(handle.cluster_name)
         if layout is None:
             return
-        async with self._lock(handle.cluster_name):
-            await self._terminate(layout)
+        await asyncio.to_thread(self._prepare)
+        async with self._fence.cluster_lock(handle.cluster_name) as lock:
+            await self._admit(layout, epoch, "terminate")
+            await self._stop_and_remove(layout, max(0.0, grace))
+            lock.discard()
 
-    async def _terminate(self, layout: ClusterLayout) -> None:
+    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
+        """Writes the deadline to the notice file and sends SIGTERM to every rank; the
+        cluster stays up. Nothing happens to a cluster that does not exist.
+
+        Raises:
+            StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
+        """
+        layout = self._layout_or_none(handle.cluster_name)
+        if layout is None or not layout.dir.is_dir():
+            return
+        await asyncio.to_thread(self._prepare)
+        async with self._fence.cluster_lock(handle.cluster_name):
+            await self._admit(layout, epoch, "preemption notice")
+            if supervisor_process(layout) is None:
+                return
+            write_atomic(layout.notice_file, f"{float(deadline)!r}\n".encode(), mode=0o644)
+            pgids, _ = recorded_children(layout)
+            signal_groups(pgids, signal.SIGTERM)
+
+    async def _admit(self, layout: ClusterLayout, epoch: int, action: str) -> None:
+        """Refuses a stale epoch acting on the cluster; epoch 0 always passes."""
+        task = read_json(layout.task_file)
+        if not epoch or not isinstance(task, dict):
+            return
+        job_id, launched_by = task.get("job_id"), task.get("epoch")
+        if isinstance(job_id, int) and isinstance(launched_by, int):
+            await asyncio.to_thread(
+                self._fence.admit, job_id, epoch, floor=launched_by, action=action
+            )
+
+    async def _stop_and_remove(self, layout: ClusterLayout, grace: float) -> None:
         name = layout.dir.name
         own = self._reap(name)
         supervisor = supervisor_process(layout)
         pid = supervisor.pid if supervisor else own.pid if own else None
-
-        def running() -> bool:
-            # poll() reaps our own child so it does not linger as a zombie.
-            return (own is not None and own.poll() is None) or (
-                supervisor is not None and _alive(supervisor)
-            )
-
         if pid is not None:
-            # The supervisor leads its own process group (start_new_session).
-            signal_groups([pid], signal.SIGTERM)
-            deadline = time.monotonic() + self._terminate_timeout
-            while time.monotonic() < deadline:
-                if not running():
-                    break
-                await asyncio.sleep(0.05)
+            with contextlib.suppress(OSError):
+                write_json_atomic(layout.stop_file, {"grace": grace})
+
+            def ours() -> bool:
+                # Our own unreaped child cannot have lent its pid to another process.
+                return (own is not None and own.pid == pid) or bool(supervisor_at(pid, layout.dir))
+
+            if await stop_process(pid, grace + self._terminate_timeout, ours):
+                self._report_stop(layout, grace)
             else:
-                signal_groups([pid], signal.SIGKILL)
+                log.warning("cluster %s: its supervisor did not stop; killing everything", name)
         await asyncio.to_thread(self._kill_and_remove, layout)
-        own = self._procs.pop(name, None)
-        if own is not None:
+        child = self._procs.pop(name, None)
+        if child is not None:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(own.wait, 5.0)
+                await asyncio.to_thread(child.wait, 5.0)
+
+    @staticmethod
+    def _report_stop(layout: ClusterLayout, grace: float) -> None:
+        status = read_json(layout.status_file)
+        stop = status.get("stop") if isinstance(status, dict) else None
+        if grace > 0 and isinstance(stop, dict) and stop.get("sigkill"):
+            log.info(
+                "cluster %s: ranks outlived the %.1fs grace; sent SIGKILL", layout.dir.name, grace
+            )
 
     @staticmethod
     def _kill_and_remove(layout: ClusterLayout) -> None:
         pgids, _ = recorded_children(layout)
+        uid = run_uid(read_json(layout.task_file))
         for attempt in range(3):
-            kill_cluster_processes(layout.dir, pgids)
+            kill_cluster_processes(layout.dir, pgids, uid=uid)
             try:
                 shutil.rmtree(layout.dir)
                 return
@@ -598,7 +495,7 @@ class LocalBackend(Backend):
                 time.sleep(0.1)
 
     async def cluster_exists(self, cluster_name: str) -> bool:
-        """True while the directory or any process of the cluster remains."""
+        """True while the folder or any process of the cluster remains."""
         layout = self._layout_or_none(cluster_name)
         if layout is None:
             return False
@@ -611,21 +508,7 @@ class LocalBackend(Backend):
         layout = self._layout_or_none(handle.cluster_name)
         if layout is None:
             return b""
-        return await asyncio.to_thread(self._read_logs, layout)
-
-    @staticmethod
-    def _read_logs(layout: ClusterLayout) -> bytes:
-        if not layout.dir.is_dir():
-            return b""
-        num_nodes = _num_nodes(layout)
-        parts = []
-        for rank in range(num_nodes):
-            try:
-                data = layout.rank_log(rank).read_bytes()
-            except OSError:
-                continue
-            parts.append(data if num_nodes == 1 else _prefix_lines(data, rank))
-        return b"".join(parts)
+        return await asyncio.to_thread(local_logs.read_all, layout)
 
     async def tail_logs(self, handle: ClusterHandle) -> AsyncIterator[bytes]:
         """Yields log bytes as the ranks write them, until the task finished or the
@@ -633,10 +516,11 @@ class LocalBackend(Backend):
         layout = self._layout_or_none(handle.cluster_name)
         if layout is None:
             return
-        follower = _LogFollower(layout)
+        follower = local_logs.LogFollower(layout)
         while True:
             # Decide before reading: whatever was written before the end is read below.
-            done = await self._tail_done(handle, layout)
+            seen = self._look(layout)
+            done = seen.cluster is ClusterStatus.DOWN or seen.end is not None
             chunk = await asyncio.to_thread(follower.read_new)
             if chunk:
                 yield chunk
@@ -650,30 +534,59 @@ class LocalBackend(Backend):
             if not chunk:
                 await asyncio.sleep(self._poll_interval)
 
-    async def _tail_done(self, handle: ClusterHandle, layout: ClusterLayout) -> bool:
-        if await self.cluster_status(handle) is ClusterStatus.DOWN:
-            return True
-        raw = read_json(layout.status_file)
-        try:
-            return isinstance(raw, dict) and TaskStatus(raw.get("status")).finished
-        except ValueError:
-            return False
-
     async def reachable(self) -> bool:
-        """True if the root directory exists (it is created if missing) and is writable."""
+        """True if the root folder exists (it is created if missing) and is writable."""
         try:
-            await asyncio.to_thread(self._root.mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(self._prepare)
         except OSError:
             return False
         return self._root.is_dir() and os.access(self._root, os.W_OK | os.X_OK)
 
 
+def _task_record(request: TaskRequest) -> dict[str, Any]:
+    task = {name: getattr(request, name) for name in _REQUEST_FIELDS}
+    task["envs"] = {str(k): str(v) for k, v in request.envs.items()}
+    task["sim"] = dict(request.sim)
+    task["launch_id"] = uuid.uuid4().hex
+    return task
+
+
+def _launch_id(task: Any) -> str | None:
+    launch_id = task.get("launch_id") if isinstance(task, dict) else None
+    return launch_id if isinstance(launch_id, str) else None
+
+
+def _same_task(current: Any, task: Mapping[str, Any]) -> bool:
+    """Whether task.json's content `current` is the attempt `task` describes."""
+    return isinstance(current, dict) and all(
+        current.get(name) == task[name] for name in _REQUEST_FIELDS
+    )
+
+
 def from_settings(settings: Mapping[str, Any]) -> LocalBackend:
-    """The local backend of a service: clusters under `<data_dir>/clusters`."""
+    """The local backend of a service: clusters under `<data_dir>/clusters`.
+
+    Raises:
+        ValueError: a setting is missing or malformed; the message names it.
+    """
     data_dir = settings.get("data_dir")
     if not data_dir:
         raise ValueError("the local backend needs data_dir, the folder its clusters live in")
     options: dict[str, Any] = {}
     if settings.get("tail_poll_interval"):
         options["poll_interval"] = float(settings["tail_poll_interval"])
-    return LocalBackend(Path(data_dir) / "clusters", **options)
+    backend = LocalBackend(
+        Path(data_dir) / "clusters",
+        run_as=str(settings.get("run_as") or DEFAULT_RUN_AS),
+        run_as_uids=parse_uid_range(str(settings.get("run_as_uids") or DEFAULT_RUN_AS_UIDS)),
+        workdir_roots=parse_workdir_roots(str(settings.get("workdir_roots") or "")),
+        **options,
+    )
+    if backend.confinement.privileged:
+        # The run-as user is made when the service starts; if that fails, every
+        # launch says why (PrecheckError) rather than the service not starting.
+        try:
+            backend.confinement.group()
+        except PrecheckError as exc:
+            log.error("%s", exc)
+    return backend

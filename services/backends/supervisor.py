@@ -11,22 +11,31 @@ DIR/logs/rank-<r>.log, and records the task status in DIR/status.json:
 
 When one rank of a phase fails, the other ranks of that phase are stopped (as
 SkyPilot does for multi-node jobs), since a distributed job usually hangs without
-its peers. Exit codes are Popen's: negative for a death by signal.
+its peers. The task's `exit_code` is that of the first rank to fail (shell style:
+128 + n for a death by signal n), or 0.
+
+The ranks run as task.json's `run_as` uid and gid when the supervisor is root
+(`services.backends.local_users`), with HOME in DIR/home; the supervisor itself
+stays root and keeps the logs, status and records.
 
 After the task finishes the supervisor stays alive, because a cluster stays up
-until it is terminated; SIGTERM (or SIGINT) stops the ranks' process groups and
-ends it. Its own death by any other means (SIGKILL = preemption) must take the
-user's processes with it:
+until it is terminated. SIGTERM (or SIGINT) stops it: it sends SIGTERM to every
+rank's process group, gives them the grace of DIR/stop.json (written by
+`terminate`) to exit, SIGKILLs what is left, records in status.json whether it had
+to (`stop`), and ends. Its own death by any other means (SIGKILL = preemption)
+must take the user's processes with it:
 - each rank is started in its own session and process group, with
   PR_SET_PDEATHSIG=SIGKILL so the rank's `bash` dies with the supervisor;
 - a forked *guardian* process, in a session of its own, blocks on a pipe whose
   only writer is the supervisor; when the pipe closes it kills every recorded
-  process group (DIR/children.json) and every process tagged with the cluster's
-  `MJ_CLUSTER_DIR`, which reaches grandchildren that `bash` did not exec.
+  process group (DIR/children.json), every process of the cluster's uid and every
+  process tagged with the cluster's `MJ_CLUSTER_DIR`.
 
-The supervisor is single-threaded on purpose: PR_SET_PDEATHSIG fires when the
-*thread* that forked the child exits, and `preexec_fn` is only safe without threads.
-It waits on children with SIGCHLD and a wakeup fd rather than polling.
+The supervisor is a child subreaper: whatever its ranks leave behind is reparented
+to it, so it reaps every descendant and a process group is empty once its members
+have exited. It is single-threaded on purpose (PR_SET_PDEATHSIG fires when the
+*thread* that forked the child exits, and `preexec_fn` is only safe without
+threads) and waits on children with SIGCHLD and a wakeup fd rather than polling.
 """
 
 from __future__ import annotations
@@ -45,23 +54,27 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn
 
-import psutil
-
 from services.backends.base import TaskStatus
-from services.backends.local import (
+from services.backends.local_cluster import (
     CLUSTER_DIR_ENV,
+    NOTICE_FILE_ENV,
     ClusterLayout,
+    group_alive,
     kill_cluster_processes,
     read_json,
     recorded_children,
+    run_uid,
+    shell_exit_code,
     signal_groups,
-    wait_gone,
     write_json_atomic,
 )
 
-# How long ranks get between SIGTERM and SIGKILL when they are stopped.
+# How long ranks get between SIGTERM and SIGKILL when nobody said otherwise.
 KILL_GRACE_SECONDS = 2.0
+# The longest wait between checks while ranks stop (SIGCHLD usually ends it sooner).
+_STOP_CHECK_SECONDS = 0.1
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
 def _log(message: str) -> None:
@@ -79,7 +92,10 @@ def _load_prctl() -> Callable[..., int] | None:
 
 
 def _die_with_parent(parent_pid: int, prctl: Callable[..., int] | None) -> Callable[[], None]:
-    """A `preexec_fn` that makes the child receive SIGKILL when its parent dies."""
+    """A `preexec_fn` that makes the child receive SIGKILL when its parent dies.
+
+    It runs after the child changed users, which would clear the setting.
+    """
 
     def preexec() -> None:
         if prctl is not None:
@@ -91,7 +107,7 @@ def _die_with_parent(parent_pid: int, prctl: Callable[..., int] | None) -> Calla
     return preexec
 
 
-def _guard(layout: ClusterLayout, read_fd: int) -> NoReturn:
+def _guard(layout: ClusterLayout, read_fd: int, uid: int | None) -> NoReturn:
     """The guardian's body: wait for the supervisor's end, then kill the cluster's processes."""
     try:
         os.setsid()  # outlives a kill of the supervisor's process group
@@ -102,18 +118,18 @@ def _guard(layout: ClusterLayout, read_fd: int) -> NoReturn:
             except InterruptedError:
                 continue
         pgids, _ = recorded_children(layout)
-        kill_cluster_processes(layout.dir, pgids, include_supervisor=False)
+        kill_cluster_processes(layout.dir, pgids, uid=uid, include_supervisor=False)
     finally:
         os._exit(0)
 
 
-def _start_guardian(layout: ClusterLayout) -> int:
+def _start_guardian(layout: ClusterLayout, uid: int | None) -> int:
     """Forks the guardian; the supervisor keeps the pipe's write end until it dies."""
     read_fd, write_fd = os.pipe()  # not inheritable: the ranks never hold it
     pid = os.fork()
     if pid == 0:
         os.close(write_fd)
-        _guard(layout, read_fd)
+        _guard(layout, read_fd, uid)
     os.close(read_fd)
     # Deliberately leaked: the open write end is the supervisor's heartbeat.
     return pid
@@ -130,6 +146,9 @@ class Supervisor:
         self._wake_fd = -1
         self._prctl = _load_prctl()
         self._status: dict[str, Any] = {}
+        # Exit codes of reaped children, by pid, in the order they were reaped.
+        self._exited: dict[int, int] = {}
+        self._run_as: Mapping[str, Any] = {}
 
     def serve(self) -> int:
         """Runs the task, then waits for SIGTERM and stops every rank process.
@@ -138,24 +157,32 @@ class Supervisor:
             The process exit code: 0, or 2 when task.json is unusable.
         """
         os.chdir(self._layout.dir)
+        os.umask(0o077)  # the logs and records are the supervisor's alone
         task = read_json(self._layout.task_file)
         if not isinstance(task, dict):
             _log(f"cannot read {self._layout.task_file}")
             return 2
+        uid = run_uid(task) if os.geteuid() == 0 else None
+        if uid is not None:
+            self._run_as = task["run_as"]
+        if self._prctl is not None:
+            self._prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         # Fork before installing handlers: the guardian keeps default dispositions.
-        self._guardian_pid = _start_guardian(self._layout)
+        self._guardian_pid = _start_guardian(self._layout, uid)
         self._install_signal_handlers()
         self._status = {
             "status": TaskStatus.PENDING.value,
             "exit_codes": {},
+            "exit_code": None,
             "start_time": time.time(),
             "end_time": None,
+            "pid": os.getpid(),
         }
         write_json_atomic(self._layout.status_file, self._status)
         self._record_children()
         # The pid file last: whoever sees it can also read status.json.
-        write_json_atomic(self._layout.pid_file, os.getpid())
-        _log(f"up; guardian {self._guardian_pid}")
+        write_json_atomic(self._layout.pid_file, os.getpid(), mode=0o644)
+        _log(f"up; guardian {self._guardian_pid}; ranks run as uid {uid or os.geteuid()}")
         try:
             try:
                 self._run_task(task)
@@ -167,7 +194,7 @@ class Supervisor:
             while not self._stop:
                 self._wait(None)
         finally:
-            self._stop_ranks()
+            self._stop_ranks(self._grace(), uid)
         _log("stopped")
         return 0
 
@@ -186,20 +213,42 @@ class Supervisor:
     def _on_stop(self, signum: int, frame: FrameType | None) -> None:
         self._stop = True
 
+    def _grace(self) -> float:
+        raw = read_json(self._layout.stop_file)
+        grace = raw.get("grace") if isinstance(raw, dict) else None
+        return max(0.0, float(grace)) if isinstance(grace, (int, float)) else KILL_GRACE_SECONDS
+
     def _wait(self, timeout: float | None) -> None:
-        """Sleeps until a signal arrives (a child exited, SIGTERM) or `timeout` passes."""
+        """Sleeps until a signal arrives (a child exited, SIGTERM) or `timeout` passes,
+        then reaps every child that exited."""
         select.select([self._wake_fd], [], [], timeout)
         with contextlib.suppress(BlockingIOError):
             while os.read(self._wake_fd, 4096):
                 pass
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self._guardian_pid, os.WNOHANG)
+        self._reap()
 
-    def _set_status(self, status: TaskStatus, exit_codes: Mapping[int, int] | None = None) -> None:
+    def _reap(self) -> None:
+        """Reaps every exited child: ranks, the guardian and orphans adopted as subreaper."""
+        while True:
+            try:
+                pid, wait_status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            self._exited[pid] = os.waitstatus_to_exitcode(wait_status)
+
+    def _set_status(
+        self,
+        status: TaskStatus,
+        exit_codes: Mapping[int, int] | None = None,
+        exit_code: int | None = None,
+    ) -> None:
         self._status["status"] = status.value
         if exit_codes is not None:
             self._status["exit_codes"] = {str(r): c for r, c in sorted(exit_codes.items())}
         if status.finished:
+            self._status["exit_code"] = exit_code
             self._status["end_time"] = time.time()
         write_json_atomic(self._layout.status_file, self._status)
         _log(f"task {status.value} {self._status['exit_codes']}")
@@ -214,25 +263,24 @@ class Supervisor:
         num_nodes = max(1, int(task.get("num_nodes", 1)))
         setup, run = str(task.get("setup") or ""), str(task.get("run") or "")
         envs = [self._rank_env(task, rank, num_nodes) for rank in range(num_nodes)]
-        self._layout.workdir.mkdir(exist_ok=True)
         codes: dict[int, int] = {}
+        first = 0
         if setup:
             self._set_status(TaskStatus.SETTING_UP)
             phase = self._run_phase("setup", setup, envs)
             if phase is None:
                 return
-            codes = phase
-            if any(codes.values()):
-                self._set_status(TaskStatus.FAILED_SETUP, codes)
+            codes, first = phase
+            if first:
+                self._set_status(TaskStatus.FAILED_SETUP, codes, first)
                 return
         if run:
             self._set_status(TaskStatus.RUNNING)
             phase = self._run_phase("run", run, envs)
             if phase is None:
                 return
-            codes = phase
-        failed = any(codes.values())
-        self._set_status(TaskStatus.FAILED if failed else TaskStatus.SUCCEEDED, codes)
+            codes, first = phase
+        self._set_status(TaskStatus.FAILED if first else TaskStatus.SUCCEEDED, codes, first)
 
     def _rank_env(self, task: Mapping[str, Any], rank: int, num_nodes: int) -> dict[str, str]:
         # The controller's own MJ_* settings (addresses, tokens) stay out of user code.
@@ -252,44 +300,68 @@ class Supervisor:
                 "SKYPILOT_NUM_NODES": str(num_nodes),
                 "SKYPILOT_TASK_ID": f"mj-{job_id}-task-{task_id}",
                 "SKYPILOT_NODE_IPS": "\n".join(["127.0.0.1"] * num_nodes),
+                "HOME": str(self._layout.home),
+                NOTICE_FILE_ENV: str(self._layout.notice_file),
                 CLUSTER_DIR_ENV: str(self._layout.dir),
             }
         )
+        if self._run_as:
+            env["USER"] = env["LOGNAME"] = str(self._run_as.get("user", ""))
         return env
 
     def _spawn(self, rank: int, script: str, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
-        with open(self._layout.rank_log(rank), "ab") as log:
+        fd = os.open(self._layout.rank_log(rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        users: dict[str, Any] = {}
+        if self._run_as:
+            users = {
+                "user": int(self._run_as["uid"]),
+                "group": int(self._run_as["gid"]),
+                "extra_groups": [],
+            }
+        try:
             proc = subprocess.Popen(
                 [shutil.which("bash") or "/bin/bash", "-c", script],
                 cwd=self._layout.workdir,
                 env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=fd,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                umask=0o022,
                 preexec_fn=_die_with_parent(os.getpid(), self._prctl),
+                **users,
             )
+        finally:
+            os.close(fd)
         self._pgids.append(proc.pid)
         return proc
 
     def _run_phase(
         self, phase: str, script: str, envs: list[dict[str, str]]
-    ) -> dict[int, int] | None:
-        """Runs `script` on every rank; the exit codes, or None when told to stop."""
+    ) -> tuple[dict[int, int], int] | None:
+        """Runs `script` on every rank.
+
+        Returns:
+            The exit codes by rank and the first failing rank's code in shell terms
+            (0 if none failed), or None when told to stop.
+        """
         procs = {rank: self._spawn(rank, script, env) for rank, env in enumerate(envs)}
         self._record_children()
         _log(f"{phase} started on {len(procs)} rank(s): pids {[p.pid for p in procs.values()]}")
         codes: dict[int, int] = {}
+        first = 0
         kill_at: float | None = None
         while True:
             for rank, proc in procs.items():
-                if rank not in codes and (code := proc.poll()) is not None:
-                    codes[rank] = code
+                if rank not in codes and proc.pid in self._exited:
+                    codes[rank] = proc.returncode = self._exited.pop(proc.pid)
+                    first = first or shell_exit_code(codes[rank])
             if len(codes) == len(procs):
-                return codes
+                self._forget_empty_groups()
+                return codes, first
             if self._stop:
                 return None
-            if kill_at is None and any(codes.values()):
+            if kill_at is None and first:
                 _log(f"{phase} failed on a rank {codes}; stopping the other ranks")
                 signal_groups([p.pid for r, p in procs.items() if r not in codes], signal.SIGTERM)
                 kill_at = time.monotonic() + KILL_GRACE_SECONDS
@@ -297,17 +369,30 @@ class Supervisor:
                 signal_groups([p.pid for r, p in procs.items() if r not in codes], signal.SIGKILL)
             self._wait(1.0 if kill_at is None else max(0.05, kill_at - time.monotonic()))
 
-    def _stop_ranks(self) -> None:
-        """SIGTERM every rank process group, give them a grace period, then SIGKILL."""
+    def _forget_empty_groups(self) -> None:
+        """Drops groups nobody is left in: an empty group's id may be reused by others."""
+        self._reap()
+        self._pgids = [pgid for pgid in self._pgids if group_alive(pgid)]
+        self._record_children()
+
+    def _stop_ranks(self, grace: float, uid: int | None) -> None:
+        """SIGTERM every rank process group, wait up to `grace` for them to empty, then
+        SIGKILL whatever of the cluster is left; records whether SIGKILL was needed."""
         signal_groups(self._pgids, signal.SIGTERM)
-        with contextlib.suppress(psutil.Error):
-            # Children and tagged descendants; waiting also reaps our children.
-            procs = psutil.Process().children(recursive=True)
-            procs = [p for p in procs if p.pid != self._guardian_pid]
-            wait_gone(procs, timeout=KILL_GRACE_SECONDS)
-        kill_cluster_processes(self._layout.dir, self._pgids, include_supervisor=False)
+        deadline = time.monotonic() + grace
+        self._reap()
+        while (live := [g for g in self._pgids if group_alive(g)]) and (
+            left := deadline - time.monotonic()
+        ) > 0:
+            self._wait(min(left, _STOP_CHECK_SECONDS))
+        if live:
+            _log(f"process groups {live} outlived the {grace:.1f}s grace: SIGKILL")
+        kill_cluster_processes(self._layout.dir, self._pgids, uid=uid, include_supervisor=False)
+        self._reap()
         self._pgids = []
         self._record_children()
+        self._status["stop"] = {"grace": grace, "sigkill": bool(live), "time": time.time()}
+        write_json_atomic(self._layout.status_file, self._status)
 
 
 def main(argv: list[str] | None = None) -> int:
