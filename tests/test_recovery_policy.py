@@ -250,3 +250,20 @@ async def test_a_pending_reclaim_is_announced_even_without_a_watch_event(world: 
     await running.finished()
     first = (await world.inventory(1))[0]
     assert first.HasField("notice_delivered_time")
+
+
+def test_a_death_by_signal_matches_either_spelling() -> None:
+    from services.controller.config import LifecycleConfig
+    from services.controller.strategies import Failover, RecoveryPolicy
+
+    async def never(reason: str = "") -> None:
+        raise AssertionError("unused")
+
+    slot = type("Slot", (), {"acquire": never, "release": never})()
+    policy = RecoveryPolicy(
+        recover_on_exit_codes=frozenset({-9}), fail_on_exit_codes=frozenset({130})
+    )
+    strategy = Failover(None, slot, LifecycleConfig(), print, policy)  # type: ignore[arg-type]
+    assert strategy.on_exit(137) == strategy.on_exit(-9) == "recover"
+    assert strategy.on_exit(-2) == strategy.on_exit(130) == "fail"
+    assert strategy.on_exit(3) == "" and strategy.on_exit(None) == ""

@@ -174,12 +174,18 @@ class Strategy(abc.ABC):
         return ""
 
     def on_exit(self, exit_code: int | None) -> str:
-        """What a failed run's exit code asks for: "recover", "fail" or "" (the usual rules)."""
+        """What a failed run's exit code asks for: "recover", "fail" or "" (the usual rules).
+
+        A death by signal N matches both -N (the spec's spelling) and 128 + N (the shell's).
+        """
         if exit_code is None:
             return ""
-        if exit_code in self.policy.fail_on_exit_codes:
+        same = {exit_code}
+        if exit_code > 128 or exit_code < 0:
+            same.add(128 - exit_code)
+        if same & self.policy.fail_on_exit_codes:
             return "fail"
-        if exit_code in self.policy.recover_on_exit_codes:
+        if same & self.policy.recover_on_exit_codes:
             return "recover"
         return ""
 

@@ -31,8 +31,12 @@ MIGRATIONS = Path(__file__).parent / "migrations"
 
 
 def default_url(data_dir: str | Path) -> str:
+    """A SQLite file in the data dir, readable and writable by the scheduler's user only
+    (SQLite gives its journal files the same mode)."""
     path = Path(data_dir).resolve() / "scheduler.db"
     path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600, exist_ok=True)
+    path.chmod(0o600)
     return f"sqlite+aiosqlite:///{path}"
 
 
