@@ -63,6 +63,7 @@ from services.backends.base import (
     TaskRequest,
     TaskStatus,
 )
+from services.backends.ranks import RankLogJoiner, prefix_lines
 
 LOCAL_REGION = "local"
 SUPERVISOR_MODULE = "services.backends.supervisor"
@@ -250,14 +251,6 @@ def recorded_children(layout: ClusterLayout) -> tuple[list[int], int | None]:
     return pgids, guardian if isinstance(guardian, int) and guardian > 1 else None
 
 
-def _prefix_lines(data: bytes, rank: int) -> bytes:
-    """Prefixes each line with its rank; an unterminated last line gets a newline so
-    that it cannot run into another rank's output."""
-    prefix = f"(rank={rank}) ".encode()
-    out = b"".join(prefix + line for line in data.splitlines(keepends=True))
-    return out if not out or out.endswith((b"\n", b"\r")) else out + b"\n"
-
-
 def _num_nodes(layout: ClusterLayout) -> int:
     raw = read_json(layout.task_file)
     if isinstance(raw, dict) and isinstance(raw.get("num_nodes"), int):
@@ -284,17 +277,16 @@ class _LogFollower:
 
     def __init__(self, layout: ClusterLayout) -> None:
         self._layout = layout
-        self._num_nodes: int | None = None
+        self._joiner: RankLogJoiner | None = None
         self._offsets: dict[int, int] = {}
-        self._partial: dict[int, bytes] = {}
 
     def read_new(self) -> bytes:
-        if self._num_nodes is None:
+        if self._joiner is None:
             if not self._layout.task_file.exists():
                 return b""
-            self._num_nodes = _num_nodes(self._layout)
+            self._joiner = RankLogJoiner(_num_nodes(self._layout))
         out = []
-        for rank in range(self._num_nodes):
+        for rank in range(self._joiner.num_nodes):
             offset = self._offsets.get(rank, 0)
             try:
                 with open(self._layout.rank_log(rank), "rb") as f:
@@ -303,23 +295,11 @@ class _LogFollower:
             except OSError:
                 continue
             self._offsets[rank] = offset + len(data)
-            if self._num_nodes == 1:
-                out.append(data)
-                continue
-            head, newline, rest = (self._partial.get(rank, b"") + data).rpartition(b"\n")
-            if newline:
-                out.append(_prefix_lines(head + newline, rank))
-            if len(rest) >= _READ_CHUNK:
-                # A line this long is passed on in pieces rather than held back.
-                out.append(_prefix_lines(rest, rank))
-                rest = b""
-            self._partial[rank] = rest
+            out.append(self._joiner.add(rank, data))
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest = b"".join(_prefix_lines(data, rank) for rank, data in sorted(self._partial.items()))
-        self._partial.clear()
-        return rest
+        return self._joiner.flush() if self._joiner is not None else b""
 
 
 class LocalBackend(Backend):
@@ -622,7 +602,7 @@ class LocalBackend(Backend):
                 data = layout.rank_log(rank).read_bytes()
             except OSError:
                 continue
-            parts.append(data if num_nodes == 1 else _prefix_lines(data, rank))
+            parts.append(data if num_nodes == 1 else prefix_lines(data, rank))
         return b"".join(parts)
 
     async def tail_logs(self, handle: ClusterHandle) -> AsyncIterator[bytes]:
