@@ -229,7 +229,8 @@ def parse_node_pools(text: str) -> dict[str, NodePool]:
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"not valid YAML: {str(exc)[:_QUOTE_LIMIT]}") from None
+        # One line: services print this as their only line before exiting.
+        raise ValueError(f"not valid YAML: {' '.join(str(exc).split())[:_QUOTE_LIMIT]}") from None
     if not isinstance(raw, dict) or not raw:
         raise ValueError("must map pool names to pools, each with a list of hosts")
     try:
