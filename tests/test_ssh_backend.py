@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import asyncssh
 import psutil
 import pytest
 from sshd import SshHost, SshHosts
@@ -38,6 +39,8 @@ pytestmark = pytest.mark.sshd
 
 T = TypeVar("T")
 UNREACHABLE_TIMEOUT = 7.0
+# How long the tests that partition a host wait for a command.
+SHORT = {"connect_timeout": 1.5, "command_timeout": 3.0}
 Factory = Callable[..., SSHBackend]
 
 
@@ -153,8 +156,10 @@ async def backends(hosts: SshHosts, tmp_path: Path) -> AsyncIterator[Factory]:
         backend = SSHBackend(
             load_node_pools(path),
             **{
-                "connect_timeout": 1.5,
-                "command_timeout": 3.0,
+                "connect_timeout": 2.0,
+                # Generous, so a busy machine never looks like a partition; the tests
+                # that partition a host shorten it.
+                "command_timeout": 15.0,
                 "reap_interval": 0,
                 "poll_interval": 0.05,
                 **options,
@@ -314,6 +319,22 @@ async def test_graceful_terminate_sends_sigterm_before_sigkill(
     assert not h1.task_processes() and not h2.task_processes()
 
 
+async def test_a_host_whose_key_is_not_known_is_refused(
+    backends: Factory, hosts: SshHosts, tmp_path: Path
+) -> None:
+    host = hosts.hosts[0]
+    impostor = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode()
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text(f"[{host.address}]:{host.port} {impostor}")
+    backend = backends(pools={"pool": {"hosts": [1], "known_hosts": str(known_hosts)}})
+
+    with pytest.raises(BackendUnreachableError, match=r"[Hh]ost key"):
+        await backend.launch(request("spoofed", run="true"))
+
+    # Nothing ran there: not even the node script made its folder.
+    assert not (host.home / ".mj").exists()
+
+
 async def test_two_instances_launching_at_once_never_share_a_host(
     backends: Factory, hosts: SshHosts
 ) -> None:
@@ -341,7 +362,7 @@ async def test_two_instances_launching_at_once_never_share_a_host(
 async def test_killed_host_is_unreachable_then_down_once_it_answers(
     backends: Factory, hosts: SshHosts
 ) -> None:
-    backend = backends(1)
+    backend = backends(1, **SHORT)
     handle = await backend.launch(request("victim", run="sleep 1000"))
     await observed(backend, handle, TaskStatus.RUNNING)
 
@@ -358,7 +379,7 @@ async def test_killed_host_is_unreachable_then_down_once_it_answers(
 async def test_partitioned_host_is_unreachable_with_the_pools_timeout(
     backends: Factory, hosts: SshHosts
 ) -> None:
-    backend = backends(1)
+    backend = backends(1, **SHORT)
     handle = await backend.launch(request("island", run="sleep 1000"))
     await observed(backend, handle, TaskStatus.RUNNING)
 
@@ -413,7 +434,7 @@ async def test_a_fresh_instance_finds_a_running_cluster_by_name(backends: Factor
 async def test_relaunch_while_a_host_is_silent_is_reaped_when_it_returns(
     backends: Factory, hosts: SshHosts
 ) -> None:
-    backend = backends(1, 2)
+    backend = backends(1, 2, **SHORT)
     old = await backend.launch(request("moved", run="sleep 1000"))
     old_host = host_of(hosts, old.data["hosts"][0])
     await observed(backend, old, TaskStatus.RUNNING)

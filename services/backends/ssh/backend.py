@@ -317,6 +317,7 @@ class SSHBackend(Backend):
             BackendUnreachableError: a host known to hold the cluster did not answer
                 (the others were terminated).
         """
+        self._start_reaper()
         name = handle.cluster_name
         if not _CLUSTER_NAME_RE.fullmatch(name):
             return
@@ -368,6 +369,7 @@ class SSHBackend(Backend):
             StaleEpochError: a newer epoch of the job holds the cluster.
             BackendUnreachableError: a host of the cluster did not answer.
         """
+        self._start_reaper()
         launch = await self._launch_of(handle)
         if launch is None:
             return
@@ -402,6 +404,7 @@ class SSHBackend(Backend):
                 cluster did not answer. (Hosts not known to hold it are not waited for:
                 what they hold of it is reaped once they answer again.)
         """
+        self._start_reaper()
         if not _CLUSTER_NAME_RE.fullmatch(cluster_name):
             return False
         scans = await self._fleet.scan_all(names=[cluster_name], processes=True)
@@ -421,6 +424,7 @@ class SSHBackend(Backend):
         Raises:
             BackendUnreachableError: a host of the cluster did not answer.
         """
+        self._start_reaper()
         launch = await self._launch_of(handle)
         read = await logs.read_all(self._fleet, launch) if launch else None
         if launch is not None and read is None and Launch.from_handle(handle) is None:

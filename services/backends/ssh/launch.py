@@ -76,6 +76,7 @@ class Launcher:
         Raises:
             ResourcesUnavailableError: no pool has enough free fitting hosts now.
             StaleEpochError: a newer epoch of the job launched already.
+            BackendUnreachableError: no host that fits answers.
             HostUnreachable: a host stopped answering while the ranks started.
             BackendError: a host refused the rank's files.
         """
@@ -121,9 +122,16 @@ class Launcher:
                 raise
             log.info("cluster launched", extra={"cluster": name, "hosts": list(made.hosts)})
             return made
+        could = {host.id for _, hosts in self.plan for host in hosts}
+        silent = Fleet.silent(scans, could)
+        if len(silent) == len(could):
+            # Every host that could take it is silent: that says nothing of capacity.
+            raise self.fleet.unreachable(silent, f"no host that could take {name} answers")
         tried = [pool.name for pool, _ in self.plan]
+        more = f" ({len(silent)} of them not answering)" if silent else ""
         raise ResourcesUnavailableError(
-            f"no {self.request.num_nodes} free host(s) with {self.need} in {', '.join(tried)}",
+            f"no {self.request.num_nodes} free host(s) with {self.need} in "
+            f"{', '.join(tried)}{more}",
             regions_tried=tried,
         )
 

@@ -292,7 +292,7 @@ release_locked() {
 notify_locked() {
   local name=$1 launch=$2 epoch=$3 folder
   if ! read_owner || [ "$o_launch" != "$launch" ]; then echo "absent"; return; fi
-  if ((o_epoch > epoch || $(get "$FENCE/job-$o_job" 0) > epoch)); then
+  if ((epoch > 0 && (o_epoch > epoch || $(get "$FENCE/job-$o_job" 0) > epoch))); then
     echo "stale epoch=$o_epoch"
     return
   fi
