@@ -173,8 +173,21 @@ async def backends(hosts: SshHosts, tmp_path: Path) -> AsyncIterator[Factory]:
         await backend.close()
 
 
+@pytest.fixture
+def chatty_shell(hosts: SshHosts) -> Iterator[None]:
+    """Host 1's user has shell startup files that print (a greeting, as many do)."""
+    bashrc = hosts.hosts[0].home / ".bashrc"
+    saved = bashrc.read_bytes() if bashrc.exists() else None
+    bashrc.write_text("echo 'Welcome to host 1!'\n" + (saved or b"").decode())
+    yield
+    if saved is None:
+        bashrc.unlink()
+    else:
+        bashrc.write_bytes(saved)
+
+
 async def test_two_node_task_gets_both_ranks_and_succeeds(
-    backends: Factory, hosts: SshHosts, tmp_path: Path
+    backends: Factory, hosts: SshHosts, tmp_path: Path, chatty_shell: None
 ) -> None:
     backend = backends(1, 2)
     workdir = tmp_path / "work"

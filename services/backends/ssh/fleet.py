@@ -97,6 +97,10 @@ class Fleet:
                 return HostScan.parse(await self.lines(host, "scan", str(job), flag, *names))
             except HostUnreachable as exc:
                 return exc
+            except BackendError as exc:
+                # A host whose node script fails (a full disk) cannot be asked either.
+                log.warning("host scan failed", extra={"host": host.id, "error": str(exc)})
+                return HostUnreachable(host, str(exc))
 
         hosts = list(self.hosts.values())
         results = await asyncio.gather(*(one(host) for host in hosts))

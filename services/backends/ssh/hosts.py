@@ -2,7 +2,8 @@
 
 Every command is the node script (`node.sh`, shipped in this package) run as
 `bash -c <script> node.sh VERB ARGS...`, so a host needs no install and every
-replica speaks the protocol it ships. Replies are lines of a word and key=value
+replica speaks the protocol it ships. Replies follow a marker line (so output of
+the user's shell startup files is ignored) and are lines of a word and key=value
 fields (`parse_reply`).
 
 Rules:
@@ -34,6 +35,7 @@ from services.backends.ssh.config import Host
 NODE_SCRIPT = Path(__file__).with_name("node.sh").read_text()
 RUNNER_SCRIPT = Path(__file__).with_name("runner.sh").read_text()
 _ERROR_TAIL = 300
+REPLY_MARKER = b"@mj-reply\n"
 
 Fields = dict[str, str]
 
@@ -48,6 +50,13 @@ class HostUnreachable(Exception):
 
 class HostCommandError(Exception):
     """The host answered, but the node script failed there."""
+
+
+def reply_of(stdout: bytes) -> bytes:
+    """The node script's reply: what follows its marker line, so that anything the
+    user's shell startup files print comes before it and is dropped."""
+    _, marker, reply = stdout.partition(REPLY_MARKER)
+    return reply if marker else stdout
 
 
 def parse_reply(data: bytes) -> list[tuple[str, Fields]]:
@@ -134,7 +143,7 @@ class HostConnections:
                 raise HostCommandError(
                     f"{verb} failed on {host.id} (exit {result.exit_status}): {stderr.strip()}"
                 )
-            return _as_bytes(result.stdout)
+            return reply_of(_as_bytes(result.stdout))
         raise AssertionError("unreachable: the loop returns or raises")
 
     async def put_dir(self, host: Host, local: Path, remote: str, timeout: float) -> None:

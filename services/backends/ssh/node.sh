@@ -12,7 +12,8 @@
 #   fence/job-JOB          the highest epoch ever reserved here for the job
 #   fence/cluster-NAME     "EPOCH STARTED LAUNCH" of the newest launch of the name here
 #   lock                   flock: reservations and releases happen one at a time
-# Replies are lines of a word followed by key=value fields; values never hold spaces.
+# A reply follows the line "@mj-reply": lines of a word and key=value fields (values
+# never hold spaces), and for `logs`, the log bytes after the first of them.
 set -u
 umask 077
 MJ_HOME="$HOME/.mj"
@@ -337,6 +338,8 @@ do_logs() {
 
 verb=${1-}
 shift || true
+# Whatever the user's shell startup files printed ends here: the reply follows.
+echo "@mj-reply"
 case "$verb" in
   reserve) locked do_reserve "$@" ;;
   start) do_start "$@" ;;
