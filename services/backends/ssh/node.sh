@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # What the ssh backend runs on a host of a node pool. Every SSH command is
 #     bash -c "<this script>" node.sh VERB ARGS...
 # so hosts need nothing installed but bash, coreutils and util-linux (flock, setsid),
@@ -44,7 +45,7 @@ get() {
 
 # Sets o_* from the reservation's owner file; fails when the host is free.
 read_owner() {
-  o_cluster= o_job=0 o_epoch=0 o_launch= o_started=0 o_rank=0 o_reserved_at=0
+  o_cluster='' o_job=0 o_epoch=0 o_launch='' o_rank=0 o_reserved_at=0
   [ -e "$RES" ] || return 1
   local key value
   while IFS='=' read -r key value; do
@@ -53,7 +54,6 @@ read_owner() {
       job) o_job=$value ;;
       epoch) o_epoch=$value ;;
       launch) o_launch=$value ;;
-      started) o_started=$value ;;
       rank) o_rank=$value ;;
       reserved_at) o_reserved_at=$value ;;
     esac
@@ -98,11 +98,22 @@ kill_folder() {
   signal_folder "$1" KILL
 }
 
-# Moves the reservation away (the host is free from here) and deletes it with folder $1.
+# Moves $1 into the trash: a rename, instant even for a large workdir, so it can be
+# done holding the lock; `empty_trash` deletes it once the lock is released.
+to_trash() {
+  [ -e "$1" ] && mv -T "$1" "$MJ_HOME/.trash.$$.$RANDOM$RANDOM" 2>/dev/null
+  return 0
+}
+
+empty_trash() {
+  rm -rf "$MJ_HOME"/.trash.* 2>/dev/null
+  return 0
+}
+
+# Releases the host (the reservation goes first) and discards folder $1.
 drop_reservation() {
-  local trash="$MJ_HOME/.trash.$$.$RANDOM"
-  mv -T "$RES" "$trash" 2>/dev/null
-  rm -rf "$trash" "$1"
+  to_trash "$RES"
+  to_trash "$1"
 }
 
 reservation_line() {
@@ -120,7 +131,7 @@ reservation_line() {
 # reserve NAME JOB TASK EPOCH LAUNCH STARTED POOL: takes this host for a launch.
 do_reserve() {
   local name=$1 job=$2 task=$3 epoch=$4 launch=$5 started=$6 pool=$7
-  local fence tmp record
+  local fence tmp newest_epoch newest_started
   fence=$(get "$FENCE/job-$job" 0)
   if ((epoch < fence)); then echo "stale epoch=$fence"; return; fi
   if read_owner; then
@@ -143,9 +154,8 @@ do_reserve() {
     return
   fi
   ((epoch > fence)) && put "$FENCE/job-$job" "$epoch"
-  record=$(get "$FENCE/cluster-$name" "0 0 -")
-  set -- $record
-  if ((epoch > $1 || (epoch == $1 && started > $2))); then
+  read -r newest_epoch newest_started _ <<<"$(get "$FENCE/cluster-$name" "0 0 -")"
+  if ((epoch > newest_epoch || (epoch == newest_epoch && started > newest_started))); then
     put "$FENCE/cluster-$name" "$epoch $started $launch"
   fi
   echo "ok"
@@ -155,15 +165,18 @@ do_reserve() {
 # run, runner): writes the rank's files and starts its runner in a session of its own.
 start_locked() {
   local name=$1 launch=$2 rank=$3 nodes=$4 hosts=$5 folder file line
-  read_owner && [ "$o_launch" = "$launch" ] || { echo "gone"; return 1; }
+  if ! read_owner || [ "$o_launch" != "$launch" ]; then echo "gone"; return 1; fi
   folder=$(folder_of "$name" "$launch")
   mkdir -p "$folder/workdir" "$folder/logs" || { echo "error what=mkdir"; return 1; }
   for file in env setup.sh run.sh runner.sh; do
     IFS= read -r line || { echo "error what=stdin"; return 1; }
     printf '%s' "$line" | base64 -d >"$folder/$file" || { echo "error what=write"; return 1; }
   done
-  { cat "$RES/owner" && printf 'rank=%s\nnodes=%s\nhosts=%s\n' "$rank" "$nodes" "$hosts"; } \
-    >"$RES/.owner" && mv -f "$RES/.owner" "$RES/owner" || { echo "error what=owner"; return 1; }
+  if ! { cat "$RES/owner" && printf 'rank=%s\nnodes=%s\nhosts=%s\n' "$rank" "$nodes" "$hosts"; } \
+    >"$RES/.owner" || ! mv -f "$RES/.owner" "$RES/owner"; then
+    echo "error what=owner"
+    return 1
+  fi
   # 9>&-: the runner must not inherit the lock (it would hold it as long as it runs).
   (cd "$folder" && MJ_CLUSTER_DIR="$folder" MJ_CLUSTER_NAME="$name" \
     setsid -f bash "$folder/runner.sh" "$rank" </dev/null >>"$folder/runner.log" 2>&1 9>&-) ||
@@ -171,7 +184,7 @@ start_locked() {
 }
 
 mark_ready() {
-  read_owner && [ "$o_launch" = "$1" ] || { echo "gone"; return 1; }
+  if ! read_owner || [ "$o_launch" != "$1" ]; then echo "gone"; return 1; fi
   : >"$RES/ready"
 }
 
@@ -215,7 +228,7 @@ do_observe() {
 # scan JOB CHECK_PROCESSES NAME...: the reservation, the cluster folders, and for
 # each NAME its newest launch here (and with CHECK_PROCESSES, its processes).
 do_scan() {
-  local job=$1 procs=$2 entry name
+  local job=$1 procs=$2 entry name epoch started launch
   shift 2
   reservation_line
   for entry in "$CLUSTERS"/*; do
@@ -223,8 +236,8 @@ do_scan() {
   done
   [ "$job" != 0 ] && echo "job job=$job epoch=$(get "$FENCE/job-$job" 0)"
   for name in "$@"; do
-    set -- $(get "$FENCE/cluster-$name" "0 0 -")
-    echo "fence name=$name epoch=$1 started=$2 launch=$3"
+    read -r epoch started launch <<<"$(get "$FENCE/cluster-$name" "0 0 -")"
+    echo "fence name=$name epoch=$epoch started=$started launch=$launch"
     if [ "$procs" = 1 ]; then
       echo "tagged name=$name count=$(tagged "MJ_CLUSTER_NAME=$name" | wc -l)"
     fi
@@ -243,7 +256,7 @@ terminate_check() {
 }
 
 terminate_finish() {
-  local name=$1 launch=$2 keep= folder
+  local name=$1 launch=$2 keep='' folder
   tagged "MJ_CLUSTER_NAME=$name" | xargs -r kill -KILL 2>/dev/null
   if read_owner && [ "$o_cluster" = "$name" ] && [ "$o_launch" = "$launch" ]; then
     kill_folder "$(folder_of "$name" "$launch")"
@@ -252,7 +265,7 @@ terminate_finish() {
     keep=$(folder_of "$o_cluster" "$o_launch")
   fi
   for folder in "$CLUSTERS/$name".*; do
-    [ -d "$folder" ] && [ "$folder" != "$keep" ] && kill_folder "$folder" && rm -rf "$folder"
+    [ -d "$folder" ] && [ "$folder" != "$keep" ] && kill_folder "$folder" && to_trash "$folder"
   done
   return 0
 }
@@ -274,6 +287,7 @@ do_terminate() {
   fi
   locked terminate_finish "$name" "$launch"
   if [ "$launch" = - ]; then echo "absent"; else echo "ok"; fi
+  empty_trash
 }
 
 # release LAUNCH: kills and removes that launch if it still holds the host.
@@ -306,12 +320,11 @@ notify_locked() {
 # gc: removes folders no reservation owns (a release that stopped half-way), with
 # their processes, and fence records nobody touched for 30 days.
 gc_locked() {
-  local keep= folder
+  local keep='' folder
   read_owner && keep=$(folder_of "$o_cluster" "$o_launch")
   for folder in "$CLUSTERS"/*; do
-    [ -d "$folder" ] && [ "$folder" != "$keep" ] && kill_folder "$folder" && rm -rf "$folder"
+    [ -d "$folder" ] && [ "$folder" != "$keep" ] && kill_folder "$folder" && to_trash "$folder"
   done
-  rm -rf "$MJ_HOME"/.trash.* 2>/dev/null
   find "$MJ_HOME" -maxdepth 1 -name '.new.*' -mmin +60 -exec rm -rf {} + 2>/dev/null
   find "$FENCE" -type f -mtime +30 -delete 2>/dev/null
   return 0
@@ -345,9 +358,9 @@ case "$verb" in
   start) do_start "$@" ;;
   observe) do_observe "$@" ;;
   scan) do_scan "$@" ;;
-  reapscan) locked gc_locked && do_scan 0 0 ;;
+  reapscan) locked gc_locked && do_scan 0 0 && empty_trash ;;
   terminate) do_terminate "$@" ;;
-  release) locked release_locked "$@" ;;
+  release) locked release_locked "$@" && empty_trash ;;
   notify) locked notify_locked "$@" ;;
   logs) do_logs "$@" ;;
   ping) echo "pong" ;;

@@ -1,3 +1,4 @@
+#!/usr/bin/env bash
 # One node rank of a task on a host of a node pool: `bash runner.sh RANK`, started by
 # node.sh `start` in a session of its own (it outlives the SSH session), with the
 # cluster folder as its working directory and MJ_CLUSTER_DIR naming it.
@@ -22,6 +23,7 @@ record() {
 }
 
 record pid "$$"
+# shellcheck source=/dev/null
 . "$folder/env"
 export MJ_PREEMPTION_NOTICE_FILE="$folder/preemption-notice" PYTHONUNBUFFERED=1
 cd "$folder/workdir" || exit 1
