@@ -1,8 +1,10 @@
-"""What the hosts say, as values: reservations, ranks, and one cluster's observation.
+"""What the hosts say, as values: launches, reservations, ranks, and one cluster's
+observation.
 
-The node script's replies are parsed here into `Reservation` (who holds a host),
-`HostScan` (a host's reservation, folders and fence records) and `RankState` (one
-rank of one launch), and a cluster's ranks are judged together (`judge`):
+A `Launch` is one launch of a cluster (what a full handle carries). The node
+script's replies are parsed here into `Reservation` (who holds a host), `HostScan`
+(a host's reservation, folders and fence records) and `RankState` (one rank of one
+launch), and a cluster's ranks are judged together (`judge`):
 
 - every rank's host must still hold the launch, else the cluster is DOWN (it was
   released, terminated or replaced);
