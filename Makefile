@@ -29,6 +29,7 @@ lint: $(STAMP) $(BUF)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(BIN)/shellcheck services/backends/ssh/*.sh
 	cd protos && ../$(BUF) lint
 	$(BIN)/python scripts/gen_protos.py --check
 

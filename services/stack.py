@@ -5,7 +5,8 @@ controller replicas and the logs service as separate processes, with SQLite
 under the data dir and the local backend, and stops them all on Ctrl-C. With
 `--backend sim` it first starts `mj-simcloud` (on port 50071, with
 `--simcloud-config` if given) and runs the controllers and logs on the sim
-backend. The end-to-end tests start the same topology through `Stack`
+backend; with `--backend ssh --ssh-node-pools FILE` they run on the hosts of
+that node pools file. The end-to-end tests start the same topology through `Stack`
 (`simcloud_args` not None: with a sim cloud; `database_url`: on PostgreSQL), and
 the reliability tests break it one process at a time through `Service`: kill
 (SIGKILL), pause and resume (SIGSTOP, SIGCONT), restart with the same arguments.
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.backends.ssh.config import NodePool, load_node_pools
 
 
 def free_port() -> int:
@@ -149,6 +152,7 @@ class Stack:
         simcloud_args: Sequence[str] | None = None,
         simcloud_port: int = 0,
         database_url: str = "",
+        ssh_node_pools: str = "",
     ) -> None:
         self.data_dir = data_dir.resolve()
         base = dict(os.environ if env is None else env)
@@ -174,6 +178,10 @@ class Stack:
                 self.simcloud_address,
             )
             backend_env = {"MJ_BACKEND": "sim", "MJ_SIMCLOUD_ADDRESS": self.simcloud_address}
+        elif ssh_node_pools:
+            # Controllers and logs on the hosts of a node pools file (the ssh backend).
+            pools = str(Path(ssh_node_pools).expanduser().resolve())
+            backend_env = {"MJ_BACKEND": "ssh", "MJ_SSH_NODE_POOLS": pools}
         # A database URL (PostgreSQL for several replicas); empty: SQLite in the data dir.
         self.database_url = database_url
         database = ["--database-url", database_url] if database_url else []
@@ -262,9 +270,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--poll-interval", default=os.environ.get("MJ_POLL_INTERVAL", "1"))
     parser.add_argument(
         "--backend",
-        choices=["local", "sim"],
+        choices=["local", "sim", "ssh"],
         default=os.environ.get("MJ_BACKEND", "local"),
-        help="local: processes on this host; sim: start mj-simcloud and use it",
+        help="local: processes on this host; sim: start mj-simcloud and use it; "
+        "ssh: the hosts of --ssh-node-pools",
+    )
+    parser.add_argument(
+        "--ssh-node-pools",
+        default=os.environ.get("MJ_SSH_NODE_POOLS", ""),
+        help="ssh_node_pools.yaml of the ssh backend (env MJ_SSH_NODE_POOLS)",
     )
     parser.add_argument(
         "--simcloud-config",
@@ -273,8 +287,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     simcloud_args: list[str] | None = None
+    pools: dict[str, NodePool] = {}
     if args.backend == "sim":
         simcloud_args = ["--config", args.simcloud_config] if args.simcloud_config else []
+    if args.backend == "ssh":
+        if not args.ssh_node_pools:
+            parser.error("--backend ssh needs --ssh-node-pools FILE (or MJ_SSH_NODE_POOLS)")
+        try:
+            pools = load_node_pools(args.ssh_node_pools)
+        except ValueError as exc:
+            parser.error(str(exc))
     stack = Stack(
         Path(args.data_dir),
         replicas=args.replicas,
@@ -284,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         controller_args=["--poll-interval", str(args.poll_interval)],
         simcloud_args=simcloud_args,
         simcloud_port=50071,
+        ssh_node_pools=args.ssh_node_pools if args.backend == "ssh" else "",
     )
     stopping = False
 
@@ -296,6 +319,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     stack.start()
     if stack.simcloud is not None:
         print(f"simcloud   {stack.simcloud_address}")
+    if args.backend == "ssh":
+        print(f"ssh pools  {', '.join(f'{p.name} ({len(p.hosts)} hosts)' for p in pools.values())}")
     print(f"scheduler  {stack.scheduler_address}")
     print(f"logs       {stack.logs_address}")
     for service in stack.controllers:

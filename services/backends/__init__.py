@@ -9,6 +9,7 @@ class lives, imported only when used, and the settings it takes).
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib
 from collections.abc import Callable, Mapping
@@ -81,6 +82,21 @@ class BackendSpec:
         return loaded
 
 
+def node_pools_file(text: str) -> str:
+    """Checks the ssh backend's node pools file when the setting is parsed, so a wrong
+    file stops a service at once with one line naming the file and the field."""
+    if not text:
+        return text
+    # Only the file's reader: asyncssh is loaded only when the backend is used.
+    from services.backends.ssh.config import load_node_pools
+
+    try:
+        load_node_pools(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
@@ -124,6 +140,55 @@ BACKENDS: dict[str, BackendSpec] = {
                     "MJ_SIMCLOUD_ADDRESS",
                     "127.0.0.1:50071",
                     "sim cloud host:port (sim backend)",
+                ),
+            ),
+        ),
+        BackendSpec(
+            "ssh",
+            "services.backends.ssh.backend:from_settings",
+            "hosts of SSH node pools (an ssh_node_pools.yaml)",
+            (
+                Setting(
+                    "ssh_node_pools",
+                    "MJ_SSH_NODE_POOLS",
+                    "",
+                    "path of the ssh_node_pools.yaml (ssh backend)",
+                    node_pools_file,
+                ),
+                Setting(
+                    "ssh_connect_timeout",
+                    "MJ_SSH_CONNECT_TIMEOUT",
+                    10.0,
+                    "seconds to open an SSH connection to a host (ssh backend)",
+                    float,
+                ),
+                Setting(
+                    "ssh_command_timeout",
+                    "MJ_SSH_COMMAND_TIMEOUT",
+                    20.0,
+                    "seconds a host may take to answer a command (ssh backend)",
+                    float,
+                ),
+                Setting(
+                    "ssh_launch_timeout",
+                    "MJ_SSH_LAUNCH_TIMEOUT",
+                    600.0,
+                    "seconds a launch may take, workdir copy included (ssh backend)",
+                    float,
+                ),
+                Setting(
+                    "ssh_reap_interval",
+                    "MJ_SSH_REAP_INTERVAL",
+                    60.0,
+                    "mean seconds between passes releasing orphaned hosts (ssh backend; 0: off)",
+                    float,
+                ),
+                Setting(
+                    "ssh_max_sessions",
+                    "MJ_SSH_MAX_SESSIONS",
+                    8,
+                    "commands at once on one host's connection (ssh backend)",
+                    int,
                 ),
             ),
         ),

@@ -10,16 +10,9 @@ from __future__ import annotations
 import re
 
 from services.backends.local_cluster import ClusterLayout, read_json
+from services.backends.ranks import MAX_HELD_LINE, RankLogJoiner, prefix_lines
 
-_READ_CHUNK = 1 << 20
-
-
-def prefix_lines(data: bytes, rank: int) -> bytes:
-    """Prefixes each line with its rank; an unterminated last line gets a newline so
-    that it cannot run into another rank's output."""
-    prefix = f"(rank={rank}) ".encode()
-    out = b"".join(prefix + line for line in data.splitlines(keepends=True))
-    return out if not out or out.endswith((b"\n", b"\r")) else out + b"\n"
+_READ_CHUNK = MAX_HELD_LINE
 
 
 def num_nodes(layout: ClusterLayout) -> int:
@@ -55,17 +48,16 @@ class LogFollower:
 
     def __init__(self, layout: ClusterLayout) -> None:
         self._layout = layout
-        self._num_nodes: int | None = None
+        self._joiner: RankLogJoiner | None = None
         self._offsets: dict[int, int] = {}
-        self._partial: dict[int, bytes] = {}
 
     def read_new(self) -> bytes:
-        if self._num_nodes is None:
+        if self._joiner is None:
             if not self._layout.task_file.exists():
                 return b""
-            self._num_nodes = num_nodes(self._layout)
+            self._joiner = RankLogJoiner(num_nodes(self._layout))
         out = []
-        for rank in range(self._num_nodes):
+        for rank in range(self._joiner.num_nodes):
             offset = self._offsets.get(rank, 0)
             try:
                 with open(self._layout.rank_log(rank), "rb") as f:
@@ -74,20 +66,8 @@ class LogFollower:
             except OSError:
                 continue
             self._offsets[rank] = offset + len(data)
-            if self._num_nodes == 1:
-                out.append(data)
-                continue
-            head, newline, rest = (self._partial.get(rank, b"") + data).rpartition(b"\n")
-            if newline:
-                out.append(prefix_lines(head + newline, rank))
-            if len(rest) >= _READ_CHUNK:
-                # A line this long is passed on in pieces rather than held back.
-                out.append(prefix_lines(rest, rank))
-                rest = b""
-            self._partial[rank] = rest
+            out.append(self._joiner.add(rank, data))
         return b"".join(out)
 
     def flush(self) -> bytes:
-        rest = b"".join(prefix_lines(data, rank) for rank, data in sorted(self._partial.items()))
-        self._partial.clear()
-        return rest
+        return self._joiner.flush() if self._joiner is not None else b""

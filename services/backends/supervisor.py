@@ -68,6 +68,7 @@ from services.backends.local_cluster import (
     signal_groups,
     write_json_atomic,
 )
+from services.backends.ranks import rank_env
 
 # How long ranks get between SIGTERM and SIGKILL when nobody said otherwise.
 KILL_GRACE_SECONDS = 2.0
@@ -286,20 +287,19 @@ class Supervisor:
         # The controller's own MJ_* settings (addresses, tokens) stay out of user code.
         env = {k: v for k, v in os.environ.items() if not k.startswith("MJ_")}
         env["PYTHONUNBUFFERED"] = "1"
-        envs = task.get("envs") or {}
-        env.update({str(k): str(v) for k, v in envs.items()})
-        job_id, task_id = task.get("job_id", 0), task.get("task_id", 0)
+        env.update(
+            rank_env(
+                job_id=int(task.get("job_id", 0)),
+                task_id=int(task.get("task_id", 0)),
+                cluster_name=str(task.get("cluster_name", self._layout.dir.name)),
+                envs=task.get("envs") or {},
+                rank=rank,
+                num_nodes=num_nodes,
+                node_ips=["127.0.0.1"] * num_nodes,
+            )
+        )
         env.update(
             {
-                "MJ_NODE_RANK": str(rank),
-                "MJ_NUM_NODES": str(num_nodes),
-                "MJ_JOB_ID": str(job_id),
-                "MJ_TASK_ID": str(task_id),
-                "MJ_CLUSTER_NAME": str(task.get("cluster_name", self._layout.dir.name)),
-                "SKYPILOT_NODE_RANK": str(rank),
-                "SKYPILOT_NUM_NODES": str(num_nodes),
-                "SKYPILOT_TASK_ID": f"mj-{job_id}-task-{task_id}",
-                "SKYPILOT_NODE_IPS": "\n".join(["127.0.0.1"] * num_nodes),
                 "HOME": str(self._layout.home),
                 NOTICE_FILE_ENV: str(self._layout.notice_file),
                 CLUSTER_DIR_ENV: str(self._layout.dir),
