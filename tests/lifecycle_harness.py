@@ -49,6 +49,7 @@ from services.backends import (
 )
 from services.backends.sim import SimBackend
 from services.backends.wrapper import BackendWrapper
+from services.common.edge import ServerSecurity
 from services.common.statuses import JobStatus, task_transition_allowed
 from services.controller.config import LifecycleConfig
 from services.controller.lifecycle import CancelRequest, JobLifecycle, cluster_name, run_job
@@ -132,7 +133,7 @@ class World:
 
     @classmethod
     async def open(cls, config: CloudConfig = CLOUD) -> World:
-        cloud = await start(config, port=0)
+        cloud = await start(config, port=0, security=ServerSecurity.without_auth())
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}")
         return cls(cloud, channel)
 

@@ -564,12 +564,22 @@ def test_logs_passes_task_tail_and_follow(
 
 def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None:
     """mj launch keys its submission, so it retries safely until the scheduler answers."""
+    from services.common.auth import Secrets
+    from services.common.tokens import bootstrap, tokens_path
     from services.stack import free_port, wait_serving
 
     port = free_port()
     spec = tmp_path / "job.yaml"
     spec.write_text("name: late\nrun: echo hi\n")
-    env = {**os.environ, "MJ_SCHEDULER_ADDRESS": f"127.0.0.1:{port}"}
+    data = tmp_path / "data"
+    bootstrap(tokens_path(data), Secrets.in_data_dir(data), admin="e2e")
+    # mj finds the admin token in the data dir by itself.
+    env = {
+        **os.environ,
+        "MJ_SCHEDULER_ADDRESS": f"127.0.0.1:{port}",
+        "MJ_DATA_DIR": str(data),
+        "MJ_TOKEN": "",
+    }
     launch = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "launch", str(spec), "--detach"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import psutil
 import pytest
 from e2e import assert_no_tracebacks, mj
@@ -47,7 +46,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
+    with stack.channel(stack.scheduler_address) as channel:
         yield job_service_pb2_grpc.JobServiceStub(channel)
 
 
@@ -219,7 +218,7 @@ def test_controller_state_shows_its_lease_and_capacity(stack: Stack) -> None:
     from managedjobs.v1 import controller_service_pb2 as cpb
     from managedjobs.v1 import controller_service_pb2_grpc
 
-    with grpc.insecure_channel(stack.controllers[1].address) as channel:
+    with stack.channel(stack.controllers[1].address) as channel:
         state = controller_service_pb2_grpc.ControllerServiceStub(channel).GetControllerState(
             cpb.GetControllerStateRequest(), timeout=10
         )

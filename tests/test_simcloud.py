@@ -30,6 +30,7 @@ from services.backends import (
     make_backend,
 )
 from services.backends.sim import SimBackend
+from services.common.edge import ServerSecurity
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
 from services.simcloud.clusters import ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
@@ -303,7 +304,7 @@ def test_operator_preempts_regions_sets_capacity_and_fails_launches() -> None:
 @pytest.fixture
 async def running() -> AsyncIterator[RunningCloud]:
     config = small_cloud(time_scale=1000.0, launch_latency_seconds=2.0)
-    cloud = await start(config, port=0)
+    cloud = await start(config, port=0, security=ServerSecurity.without_auth())
     try:
         yield cloud
     finally:
@@ -456,7 +457,11 @@ async def test_inventory_lists_every_cluster_with_who_launched_it(
 
 async def test_a_launch_its_caller_abandons_is_rolled_back() -> None:
     """A cancelled Launch leaves no cluster behind, even one still provisioning."""
-    cloud = await start(small_cloud(time_scale=1.0, launch_latency_seconds=30.0), port=0)
+    cloud = await start(
+        small_cloud(time_scale=1.0, launch_latency_seconds=30.0),
+        port=0,
+        security=ServerSecurity.without_auth(),
+    )
     sim = make_backend("sim", {"simcloud_address": f"127.0.0.1:{cloud.port}"})
     try:
         launching = asyncio.create_task(sim.launch(task(7)))

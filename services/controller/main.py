@@ -19,8 +19,11 @@ from pathlib import Path
 from managedjobs.v1 import controller_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs, settings
+from services.common.channels import ClientSecurity
+from services.common.edge import ServerSecurity, server_security
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
+from services.common.tls import TlsConfigError
 from services.controller.capacity import DEFAULT_MEMORY_PER_JOB_KB, replica_capacity
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
@@ -82,12 +85,14 @@ SETTINGS = (
         float,
     ),
     Setting("start_checks", "MJ_START_CHECKS", 60, "checks before a launch is retried", int),
+    *settings.SERVER_SECURITY,
+    *settings.CLIENT_SECURITY,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
 
 
-async def serve(a: argparse.Namespace) -> None:
+async def serve(a: argparse.Namespace, security: ServerSecurity, client: ClientSecurity) -> None:
     backend = make_backend(a.backend, vars(a))
     config = LifecycleConfig(
         poll_interval=a.poll_interval,
@@ -98,16 +103,17 @@ async def serve(a: argparse.Namespace) -> None:
         start_checks=a.start_checks,
         start_check_interval=a.start_check_interval,
     )
-    server = Server(a.host, a.port)
+    server = Server(a.host, a.port, security=security)
     capacity = replica_capacity(a.max_launches, a.max_jobs, a.memory_per_job_kb)
     replica = Replica(
         controller_id=a.controller_id,
         address="",
         capacity=capacity,
         backend=backend,
-        logs=LogsClient(a.logs_address),
+        logs=LogsClient(a.logs_address, client),
         config=config,
         scheduler_address=a.scheduler_address,
+        security=client,
     )
     server.add(
         controller_service_pb2_grpc.add_ControllerServiceServicer_to_server,
@@ -135,7 +141,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
     args.data_dir = str(Path(args.data_dir).resolve())
     logs.setup("controller", args.log_level)
-    asyncio.run(serve(args))
+    security = server_security("mj-controller", vars(args))
+    try:
+        client = ClientSecurity.from_settings(vars(args))
+    except (TlsConfigError, OSError) as exc:
+        raise SystemExit(f"mj-controller: {exc}") from None
+    asyncio.run(serve(args, security, client))
 
 
 if __name__ == "__main__":

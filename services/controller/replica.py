@@ -21,6 +21,7 @@ from managedjobs.v1 import controller_service_pb2 as cpb
 from managedjobs.v1 import controller_service_pb2_grpc, job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.backends import Backend, ClusterHandle
+from services.common.channels import ClientSecurity
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
 from services.controller.config import LifecycleConfig
@@ -165,6 +166,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         logs: LogsClient,
         config: LifecycleConfig,
         scheduler_address: str,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.controller_id = controller_id
         self.address = address
@@ -174,7 +176,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.watch = ClusterWatch()
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
-        self.link = Link(scheduler_address, self.hello, self.on_message, self.on_lease_lost)
+        self.link = Link(
+            scheduler_address, self.hello, self.on_message, self.on_lease_lost, security
+        )
         self.backend: Backend = LeaseGuard(backend, self.link.lease_valid)
         self._link_task: asyncio.Task[None] | None = None
 

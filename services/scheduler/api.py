@@ -1,7 +1,9 @@
 """JobService: the client API, served by the scheduler (SPEC §11).
 
 Validation happens here, before anything is stored: a rejected request changes
-nothing. Domain errors become status codes through `rpc_errors`.
+nothing. Domain errors become status codes through `rpc_errors`. The caller is
+`current_principal()`: a user submits as themselves and sees, watches and cancels
+only their own jobs; admins (and, for reads, services) act on every user's.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import grpc
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2
-from services.common.errors import InvalidArgument, NotFound, rpc_errors
+from services.common.access import current_principal, require_owner, require_user
+from services.common.errors import InvalidArgument, NotFound, quote, rpc_errors
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
 from services.scheduler.events import EventBus
 from services.scheduler.intake import Intake
+from services.scheduler.ownership import OwnedJobs
 from services.scheduler.replicas import Replicas
 from services.scheduler.spec import SpecError, parse_job_spec
 from services.scheduler.store import NewJob, Store
@@ -46,7 +50,10 @@ def _parse_page_token(token: str) -> int:
             raise ValueError(text)
         return int(value)
     except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise InvalidArgument("page_token: not a token this server issued") from None
+        raise InvalidArgument(
+            f"page_token: {quote(token)} is not a token this server issued",
+            reason="PAGE_TOKEN_INVALID",
+        ) from None
 
 
 def _user(user: str) -> str:
@@ -100,13 +107,14 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument(f"idempotency_key: at most {MAX_KEY_CHARS} characters")
         if len(request.pool) > MAX_USER_CHARS:
             raise InvalidArgument(f"pool: at most {MAX_USER_CHARS} characters")
-        user = _user(request.user)
+        principal = current_principal()
+        user = _user(require_user(principal, request.user) or principal.user)
         try:
             spec = parse_job_spec(
                 request.spec_yaml, name_override=request.name, extra_envs=dict(request.envs)
             )
         except SpecError as error:
-            raise InvalidArgument(str(error), field=error.field) from None
+            raise InvalidArgument(str(error), reason="SPEC_INVALID", field=error.field) from None
         job_id, _ = await self.intake.submit(
             NewJob(
                 name=spec.name,
@@ -127,7 +135,12 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("job_id: must be positive")
         job = await self.store.get_job(request.job_id)
         if job is None:
-            raise NotFound(f"job {request.job_id} does not exist", job_id=str(request.job_id))
+            raise NotFound(
+                f"job {request.job_id} does not exist",
+                reason="JOB_NOT_FOUND",
+                job_id=str(request.job_id),
+            )
+        require_owner(current_principal(), job.user, f"job {job.job_id}")
         if job.schedule_state == ScheduleState.WAITING:
             ahead = await self.store.ahead_of(job.job_id, job.priority)
             job.wait_reason = (
@@ -154,7 +167,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 raise InvalidArgument(f"statuses: unknown status {value}") from None
         jobs = await self.store.list_jobs(
             statuses,
-            user=request.user,
+            user=require_user(current_principal(), request.user),
             name=request.name,
             limit=size + 1,
             before_id=_parse_page_token(request.page_token),
@@ -169,7 +182,9 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         ways = sum([bool(request.job_ids), bool(request.name), request.all])
         if ways != 1:
             raise InvalidArgument("give exactly one of job_ids, name or all")
-        if request.all and not request.user:
+        principal = current_principal()
+        user = require_user(principal, request.user)
+        if request.all and not user:
             raise InvalidArgument("user: required with all")
         if request.job_ids:
             wanted = set(request.job_ids)
@@ -178,13 +193,14 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             if missing:
                 raise NotFound(
                     f"job_ids: no job {', '.join(map(str, missing))}",
+                    reason="JOB_NOT_FOUND",
                     job_ids=",".join(map(str, missing)),
                 )
-            targets = await self.store.job_ids(ids=wanted, user=request.user, active_only=True)
+            for job_id, owner in found:
+                require_owner(principal, owner, f"job {job_id}")
+            targets = await self.store.job_ids(ids=wanted, user=user, active_only=True)
         else:
-            targets = await self.store.job_ids(
-                name=request.name, user=request.user, active_only=True
-            )
+            targets = await self.store.job_ids(name=request.name, user=user, active_only=True)
         cancelled = [job_id for job_id, _ in targets]
         live = []
         for job_id in cancelled:
@@ -209,11 +225,20 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         if request.after_event_id < 0:
             raise InvalidArgument("after_event_id: must not be negative")
         job_ids = list(request.job_ids)
+        principal = current_principal()
         if job_ids:
-            found = {job_id for job_id, _ in await self.store.job_ids(ids=job_ids)}
-            missing = sorted(set(job_ids) - found)
+            found = dict(await self.store.job_ids(ids=job_ids))
+            missing = sorted(set(job_ids) - set(found))
             if missing:
-                raise NotFound(f"job_ids: no job {', '.join(map(str, missing))}")
+                raise NotFound(
+                    f"job_ids: no job {', '.join(map(str, missing))}", reason="JOB_NOT_FOUND"
+                )
+            for job_id, owner in found.items():
+                require_owner(principal, owner, f"job {job_id}")
+        # A user's watch of every job shows their own jobs only.
+        owned = None
+        if not job_ids and not principal.sees_every_job:
+            owned = OwnedJobs(self.store, principal.user)
         subscription = self.bus.subscribe(job_ids)
         try:
             # Transactions commit in id order but may publish out of it, so the live
@@ -222,15 +247,20 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             last = request.after_event_id
             while True:
                 backlog = await self.store.events_after(last, job_ids)
+                if owned is not None:
+                    await owned.learn(event.job_id for event in backlog)
                 for event in backlog:
                     sent.add(event.event_id)
-                    yield pb.WatchJobsResponse(event=event)
                     last = event.event_id
+                    if owned is None or await owned.owns(event.job_id):
+                        yield pb.WatchJobsResponse(event=event)
                 if len(backlog) < 1000:
                     break
             while True:
                 event = await subscription.next()
                 if event.event_id <= request.after_event_id or not sent.add(event.event_id):
+                    continue
+                if owned is not None and not await owned.owns(event.job_id):
                     continue
                 yield pb.WatchJobsResponse(event=event)
         finally:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common import logs, settings
+from services.common.edge import ServerSecurity, server_security
 from services.common.errors import register_translator
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
@@ -71,6 +72,7 @@ SETTINGS = (
         "seconds between database health probes",
         float,
     ),
+    *settings.SERVER_SECURITY,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -83,6 +85,8 @@ class SchedulerApp:
         self,
         database_url: str,
         limits: Limits,
+        *,
+        security: ServerSecurity,
         host: str = "127.0.0.1",
         port: int = 0,
         lease_ttl: float = 10.0,
@@ -101,7 +105,7 @@ class SchedulerApp:
             lease_ttl=lease_ttl,
             heartbeat_interval=heartbeat_interval,
         )
-        self.server = Server(host, port)
+        self.server = Server(host, port, security=security)
         self.server.add(
             job_service_pb2_grpc.add_JobServiceServicer_to_server,
             JobApi(self.store, self.bus, self.admission, self.replicas),
@@ -139,7 +143,7 @@ class SchedulerApp:
         await self.db.close()
 
 
-async def serve(a: argparse.Namespace) -> None:
+async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
     app = SchedulerApp(
         a.database_url or default_url(a.data_dir),
         Limits(
@@ -148,6 +152,7 @@ async def serve(a: argparse.Namespace) -> None:
             replica_launches=a.replica_max_launches,
             replica_jobs=a.replica_max_jobs,
         ),
+        security=security,
         host=a.host,
         port=a.port,
         lease_ttl=a.lease_ttl,
@@ -165,7 +170,8 @@ async def serve(a: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-scheduler", __doc__ or "", SETTINGS, argv)
     logs.setup("scheduler", args.log_level)
-    asyncio.run(serve(args))
+    security = server_security("mj-scheduler", vars(args))
+    asyncio.run(serve(args, security))
 
 
 if __name__ == "__main__":

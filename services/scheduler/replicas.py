@@ -252,7 +252,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 else:
                     work.put_nowait(request)
             await work.join()
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.AbortError):
             raise
         except Exception:
             log.exception("replica stream failed", extra={"controller_id": session.controller_id})
