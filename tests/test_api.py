@@ -177,3 +177,15 @@ def test_sent_events_skips_repeats_in_any_order() -> None:
     sent = SentEvents()
     assert sent.add(7) and sent.add(5) and sent.add(6)
     assert not sent.add(5) and not sent.add(7)
+
+
+async def test_a_huge_bad_page_token_is_refused_quoting_at_most_200_characters(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.ListJobs(pb.ListJobsRequest(page_token="é" * 1_000_000))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info(caught.value).reason == "PAGE_TOKEN_INVALID"
+    details = caught.value.details() or ""
+    assert details.count("é") == 200
+    assert details.endswith("(1000000 characters) is not a token this server issued")

@@ -82,5 +82,7 @@ def test_mj_without_a_token_is_unauthenticated(stack: Stack, tmp_path: Path) -> 
     )  # fmt: skip
     assert result.returncode == 1
     assert result.stderr.strip() == (
-        "mj: queue: UNAUTHENTICATED: authorization: a bearer token is required"
+        "mj: queue: UNAUTHENTICATED: authorization: a bearer token is required (no token "
+        "given: use --token or MJ_TOKEN, --token-file, or MJ_DATA_DIR set to the data dir "
+        "of `make up`)"
     )

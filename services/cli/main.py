@@ -274,6 +274,10 @@ def _check(args: argparse.Namespace) -> None:
             args.parser.error("give exactly one of: job ids, --name N, --all")
 
 
+NO_TOKEN_HINT = (
+    "no token given: use --token or MJ_TOKEN, --token-file, or MJ_DATA_DIR set to the data dir "
+    "of `make up`"
+)
 # How gRPC words a transport failure; the words after its last colon say why.
 _CONNECT_FAILED = "failed to connect to all addresses"
 
@@ -293,6 +297,7 @@ def _describe(error: ServiceError) -> str:
 def run(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Runs `mj` and returns its exit code instead of exiting."""
     label = "error"
+    security = ClientSecurity()
     try:
         try:
             args = build_parser(os.environ if environ is None else environ).parse_args(argv)
@@ -307,7 +312,10 @@ def run(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = N
         print(f"mj: {label}: {error}", file=sys.stderr)
         return ExitCode.USAGE
     except ServiceError as error:
-        print(f"mj: {label}: {_describe(error)}", file=sys.stderr)
+        hint = ""
+        if error.code == grpc.StatusCode.UNAUTHENTICATED and security.token is None:
+            hint = f" ({NO_TOKEN_HINT})"
+        print(f"mj: {label}: {_describe(error)}{hint}", file=sys.stderr)
         unreachable = error.code == grpc.StatusCode.UNAVAILABLE
         return ExitCode.UNREACHABLE if unreachable else ExitCode.FAILED
     except KeyboardInterrupt:

@@ -29,11 +29,12 @@ log = logging.getLogger(__name__)
 DOMAIN = "managedjobs.v1"
 # The status message travels percent-encoded (up to 3 bytes per byte) and again,
 # base64-encoded, inside grpc-status-details-bin with the ErrorInfo: these bounds
-# keep the worst case near 6 KiB.
-MAX_MESSAGE_BYTES = 512
+# keep the worst case near 6 KiB. 1 KiB of message holds a 200-character quote of
+# any input (up to 4 bytes a character) and the words around it.
+MAX_MESSAGE_BYTES = 1024
 MAX_VALUE_BYTES = 256
 MAX_KEY_BYTES = 64
-MAX_METADATA_ENTRIES = 8
+MAX_METADATA_ENTRIES = 4
 QUOTE_CHARS = 200
 _ELLIPSIS = "…"
 
