@@ -27,6 +27,13 @@ from services.common.channels import ClientSecurity, open_channel
 log = logging.getLogger(__name__)
 
 
+def _why(error: BaseException | None) -> str:
+    """One line on why a stream attempt failed (e.g. UNAUTHENTICATED: unknown token)."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
+
+
 class StreamBroken(Exception):
     """The stream ended; reconnect."""
 
@@ -125,7 +132,11 @@ class Link:
                 retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
                 before_sleep=lambda state: log.warning(
                     "scheduler stream down; reconnecting",
-                    extra={"address": self.address, "attempt": state.attempt_number},
+                    extra={
+                        "address": self.address,
+                        "attempt": state.attempt_number,
+                        "error": _why(state.outcome.exception() if state.outcome else None),
+                    },
                 ),
             ):
                 with attempt:
