@@ -87,7 +87,15 @@ class LogsStandIn(log_service_pb2_grpc.LogServiceServicer):
 
 
 class SchedulerStandIn(scheduler_service_pb2_grpc.SchedulerServiceServicer):
-    """ConnectController (controller) answers each message with the principal."""
+    """ConnectController (controller) answers each message with the principal;
+    GetSchedulerState (admin), written without `rpc_errors`, raises `failure`."""
+
+    failure: Exception = RuntimeError("unset")
+
+    async def GetSchedulerState(
+        self, request: scheduler_service_pb2.GetSchedulerStateRequest, context: Context
+    ) -> scheduler_service_pb2.GetSchedulerStateResponse:
+        raise self.failure
 
     @rpc_errors
     async def ConnectController(
@@ -293,6 +301,25 @@ async def test_an_error_echoing_a_huge_input_stays_within_metadata_limits(
     assert info.reason == "CLUSTER_UNKNOWN"
     assert 0 < len(info.metadata) <= 4
     assert all(len(v.encode()) <= 256 for v in info.metadata.values())
+
+
+@pytest.mark.parametrize(
+    ("failure", "code"),
+    [
+        (InvalidArgument(f"name: {HUGE}", reason="NAME_INVALID"), grpc.StatusCode.INVALID_ARGUMENT),
+        (RuntimeError(HUGE), grpc.StatusCode.INTERNAL),
+    ],
+)
+async def test_the_edge_answers_for_a_handler_without_rpc_errors(
+    address: str, ids: Identities, failure: Exception, code: grpc.StatusCode
+) -> None:
+    SchedulerStandIn.failure = failure
+    async with open_channel(address, ids.client("admin", tls=False)) as channel:
+        stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.GetSchedulerState(scheduler_service_pb2.GetSchedulerStateRequest())
+    assert caught.value.code() == code
+    assert 100 < len((caught.value.details() or "").encode()) <= 1024
 
 
 def test_quote_shows_at_most_200_characters() -> None:

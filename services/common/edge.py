@@ -26,6 +26,7 @@ duration: per-method latency metrics belong there.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -45,6 +46,7 @@ from services.common.errors import (
     Unauthenticated,
     abort,
     quote,
+    unexpected,
 )
 from services.common.tls import ServerTls, TlsConfigError, is_loopback, peer_names
 
@@ -241,7 +243,15 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
                 await abort(context, error)
             assert call.principal is not None  # abort raised otherwise
             set_principal(call.principal)
-            yield call
+            try:
+                yield call
+            except ApiError as error:  # a handler without rpc_errors: same answer
+                call.code = error.code
+                await abort(context, error)
+            except (grpc.aio.AbortError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                await unexpected(context, call.method, exc)
         except BaseException:
             if call.code == grpc.StatusCode.OK:
                 code = context.code()

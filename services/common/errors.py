@@ -166,14 +166,16 @@ def translate(exc: Exception) -> ApiError | None:
     return None
 
 
-async def _unexpected(context: Any, handler: Callable[..., Any], exc: Exception) -> None:
+async def unexpected(context: Any, where: str, exc: Exception) -> None:
+    """Ends the call for an exception that is not an ApiError: a registered translation,
+    else INTERNAL (logged with its traceback, as the bug it is). Re-raises AbortError."""
     if isinstance(exc, grpc.aio.AbortError):
         raise exc
     error = translate(exc)
     if error is not None:
         await abort(context, error)
         return
-    log.exception("unhandled error in %s", handler.__qualname__)
+    log.exception("unhandled error in %s", where)
     await context.abort(
         grpc.StatusCode.INTERNAL, bound(f"internal error: {exc}", MAX_MESSAGE_BYTES)
     )
@@ -192,7 +194,7 @@ def rpc_errors(handler: F) -> F:
             except ApiError as error:
                 await abort(context, error)
             except Exception as exc:
-                await _unexpected(context, handler, exc)
+                await unexpected(context, handler.__qualname__, exc)
 
         return cast(F, stream)
 
@@ -203,6 +205,6 @@ def rpc_errors(handler: F) -> F:
         except ApiError as error:
             await abort(context, error)
         except Exception as exc:
-            await _unexpected(context, handler, exc)
+            await unexpected(context, handler.__qualname__, exc)
 
     return cast(F, unary)
