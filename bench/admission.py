@@ -1,6 +1,8 @@
 """Admission throughput and latency through gRPC, on SQLite and on PostgreSQL.
 
-Starts `mj-scheduler` as a process, connects one benchmark replica over
+Starts `mj-scheduler` as a process, with security on as in production (bearer
+tokens on every call: a controller token for the replica, an admin's for the
+submitters), connects one benchmark replica over
 ConnectController (a real stream client with ample capacity that records when
 each assignment arrives), then measures:
 - sustained submissions per second over N jobs from concurrent clients;
@@ -24,8 +26,6 @@ import time
 import uuid
 from pathlib import Path
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine
@@ -36,6 +36,8 @@ from managedjobs.v1 import (
     scheduler_service_pb2_grpc,
 )
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.auth import Role, add_token
+from services.common.channels import ClientSecurity, open_channel
 from services.stack import free_port, wait_serving
 
 SPEC = "name: bench\nrun: echo hi\n"
@@ -44,8 +46,9 @@ SPEC = "name: bench\nrun: echo hi\n"
 class BenchReplica:
     """A replica that only records when assignments arrive."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: ClientSecurity) -> None:
         self.address = address
+        self.security = security
         self.assigned: dict[int, float] = {}
         self.waiters: dict[int, asyncio.Future[float]] = {}
         self.ready = asyncio.Event()
@@ -53,7 +56,7 @@ class BenchReplica:
         self.reached = asyncio.Event()
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with open_channel(self.address, self.security) as channel:
             stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
 
             async def requests():  # type: ignore[no-untyped-def]
@@ -83,11 +86,17 @@ class BenchReplica:
                         self.reached.set()
 
 
-async def measure(address: str, jobs: int, latency_jobs: int, concurrency: int) -> dict[str, float]:
-    replica = BenchReplica(address)
+async def measure(
+    address: str,
+    tokens: dict[str, ClientSecurity],
+    jobs: int,
+    latency_jobs: int,
+    concurrency: int,
+) -> dict[str, float]:
+    replica = BenchReplica(address, tokens["controller"])
     replica_task = asyncio.create_task(replica.run())
     await asyncio.wait_for(replica.ready.wait(), 10)
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, tokens["admin"]) as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         # Latency: one job at a time, spare capacity.
         latencies = []
@@ -125,6 +134,17 @@ async def measure(address: str, jobs: int, latency_jobs: int, concurrency: int) 
         "admitted_per_s": round((len(replica.assigned) - before) / all_seconds, 1),
         "grant_latency_p50_ms": round(statistics.median(latencies), 2),
         "grant_latency_p99_ms": round(latencies[int(len(latencies) * 0.99) - 1], 2),
+    }
+
+
+def bench_tokens(data_dir: str) -> dict[str, ClientSecurity]:
+    """The tokens file in the data dir: an admin and the bench replica's controller."""
+    path = Path(data_dir) / "tokens.yaml"
+    return {
+        "admin": ClientSecurity.of(add_token(path, "bench", Role.ADMIN)),
+        "controller": ClientSecurity.of(
+            add_token(path, "bench-replica", Role.CONTROLLER, "bench-replica")
+        ),
     }
 
 
@@ -171,10 +191,11 @@ def main() -> None:
                 url = f"sqlite:///{data_dir}/bench.db"
             else:
                 url, _ = postgres_database(args.postgres)
+            tokens = bench_tokens(data_dir)
             process, address = run_scheduler(url, data_dir)
             try:
                 figures = asyncio.run(
-                    measure(address, args.jobs, args.latency_jobs, args.concurrency)
+                    measure(address, tokens, args.jobs, args.latency_jobs, args.concurrency)
                 )
             finally:
                 process.terminate()

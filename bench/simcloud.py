@@ -2,7 +2,8 @@
 
 Starts `mj-simcloud` as its own process (as in production), launches N clusters
 (default 20,000) with day-long runtimes through the Launch RPC, many at a time
-(bounded), and reports launch calls per second. Then, with every cluster live,
+(bounded) as an admin with a bearer token (security on, as in production), and
+reports launch calls per second. Then, with every cluster live,
 reads the process's RSS with psutil. Launch latency is 0 in the bench's config,
 so the figure is what the API and the model can take, not how long a simulated
 provision lasts. Prints one JSON line with the figures and the machine; stops
@@ -23,12 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import psutil
 from machine import machine
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
+from services.common.auth import Role, add_token
+from services.common.channels import ClientSecurity, open_channel, open_sync_channel
 from services.stack import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,9 +46,11 @@ regions:
 """
 
 
-async def launch_all(address: str, clusters: int, concurrency: int) -> float:
+async def launch_all(
+    address: str, security: ClientSecurity, clusters: int, concurrency: int
+) -> float:
     """Launches every cluster; returns the seconds it took."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with open_channel(address, security) as channel:
         stub = pb_grpc.SimCloudServiceStub(channel)
         await stub.ListRegions(pb.ListRegionsRequest(), timeout=10)
         behavior = pb.TaskBehavior(runtime_seconds=86_400.0)
@@ -69,8 +73,8 @@ async def launch_all(address: str, clusters: int, concurrency: int) -> float:
         return time.perf_counter() - start
 
 
-def cloud_state(address: str) -> pb.GetCloudStateResponse:
-    with grpc.insecure_channel(address) as channel:
+def cloud_state(address: str, security: ClientSecurity) -> pb.GetCloudStateResponse:
+    with open_sync_channel(address, security) as channel:
         stub = pb_grpc.SimOperatorServiceStub(channel)
         reply: pb.GetCloudStateResponse = stub.GetCloudState(pb.GetCloudStateRequest(), timeout=60)
         return reply
@@ -85,10 +89,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "simcloud.yaml"
         config.write_text(CONFIG)
+        security = ClientSecurity.of(add_token(Path(tmp) / "tokens.yaml", "bench", Role.ADMIN))
         log = (Path(tmp) / "simcloud.log").open("wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.simcloud.main", "--port", address.split(":")[1]]
-            + ["--config", str(config), "--log-level", "WARNING"],
+            + ["--config", str(config), "--log-level", "WARNING", "--data-dir", tmp],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -97,8 +102,8 @@ def main() -> None:
             wait_serving(address, timeout=30)
             cloud = psutil.Process(proc.pid)
             rss_idle = cloud.memory_info().rss
-            seconds = asyncio.run(launch_all(address, args.clusters, args.concurrency))
-            state = cloud_state(address)
+            seconds = asyncio.run(launch_all(address, security, args.clusters, args.concurrency))
+            state = cloud_state(address, security)
             rss_live = cloud.memory_info().rss
         finally:
             proc.send_signal(signal.SIGTERM)

@@ -10,6 +10,17 @@ that node pools file. The end-to-end tests start the same topology through `Stac
 (`simcloud_args` not None: with a sim cloud; `database_url`: on PostgreSQL), and
 the reliability tests break it one process at a time through `Service`: kill
 (SIGKILL), pause and resume (SIGSTOP, SIGCONT), restart with the same arguments.
+
+Security is on as in production (SPEC §14). On first start the stack writes the
+tokens file (`DATA_DIR/tokens.yaml`) with an admin token for the local user, one
+token per controller replica bound to its id and a service token for the logs
+service, keeping the plain tokens in `DATA_DIR/secrets/` (mode 0600): each
+service reads its own through `MJ_TOKEN_FILE`, and `mj` finds the admin token
+there by itself. Later starts reuse them. With `tls=True` (`--tls`) it also makes
+a CA and certificates under `DATA_DIR/tls/` (`mj-certs`) and runs every server
+with TLS and mTLS: each replica's certificate names its controller id, and
+clients present `admin.pem`. Tests talk to a stack through `client_security`,
+`channel()` and `client_env()`.
 """
 
 from __future__ import annotations
@@ -29,6 +40,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.backends.ssh.config import NodePool, load_node_pools
+from services.common.auth import Secrets, local_user
+from services.common.certs import make_certificates
+from services.common.channels import ClientSecurity, TokenSource, open_sync_channel
+from services.common.tls import ClientTls
+from services.common.tokens import bootstrap, tokens_path
+
+# Names on the stack's certificates: every process listens on 127.0.0.1.
+TLS_HOSTS = ("scheduler", "logs", "simcloud")
+LOOPBACK_NAMES = ("localhost", "127.0.0.1")
+LOGS_SERVICE = "logs"
 
 
 def free_port() -> int:
@@ -37,10 +58,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_serving(address: str, timeout: float = 30.0) -> None:
+def wait_serving(
+    address: str, timeout: float = 30.0, security: ClientSecurity | None = None
+) -> None:
     """Blocks until the server at `address` reports SERVING on grpc.health.v1."""
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with open_sync_channel(address, security or ClientSecurity()) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:
@@ -64,6 +87,7 @@ class Service:
     log_path: Path
     address: str = ""
     process: subprocess.Popen[bytes] | None = None
+    security: ClientSecurity = dataclasses.field(default_factory=ClientSecurity)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +114,11 @@ class Service:
                 code = self.process.returncode if self.process is not None else None
                 raise RuntimeError(f"{self.name} exited with {code}; see {self.log_path}")
             try:
-                wait_serving(self.address, min(1.0, max(0.1, deadline - time.monotonic())))
+                wait_serving(
+                    self.address,
+                    min(1.0, max(0.1, deadline - time.monotonic())),
+                    self.security,
+                )
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
@@ -153,11 +181,17 @@ class Stack:
         simcloud_port: int = 0,
         database_url: str = "",
         ssh_node_pools: str = "",
+        auth: bool = True,
+        tls: bool = False,
     ) -> None:
         self.data_dir = data_dir.resolve()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
         base = dict(os.environ if env is None else env)
         base.setdefault("MJ_DATA_DIR", str(self.data_dir))
         base.setdefault("PYTHONUNBUFFERED", "1")
+        controller_ids = [f"controller-{index + 1}" for index in range(replicas)]
+        # Each service's own token and certificate, by service name.
+        own = self._secure(base, controller_ids, auth, tls)
         self.env = base
         self.scheduler_address = f"127.0.0.1:{scheduler_port or free_port()}"
         self.logs_address = f"127.0.0.1:{logs_port or free_port()}"
@@ -173,9 +207,10 @@ class Stack:
             self.simcloud = Service(
                 "simcloud",
                 [*py, "services.simcloud.main", "--port", cloud_port, *simcloud_args],
-                base,
+                {**base, **own["simcloud"]},
                 logs_dir / "simcloud.log",
                 self.simcloud_address,
+                security=self.probe_security,
             )
             backend_env = {"MJ_BACKEND": "sim", "MJ_SIMCLOUD_ADDRESS": self.simcloud_address}
         elif ssh_node_pools:
@@ -190,35 +225,141 @@ class Stack:
             [*py, "services.scheduler.main", "--port", self.scheduler_address.split(":")[1]]
             + database
             + list(scheduler_args),
-            base,
+            {**base, **own["scheduler"]},
             logs_dir / "scheduler.log",
             self.scheduler_address,
+            security=self.probe_security,
         )
         self.logs = Service(
             "logs",
             [*py, "services.logs.main", "--port", self.logs_address.split(":")[1]],
-            {**base, **backend_env, "MJ_SCHEDULER_ADDRESS": self.scheduler_address},
+            {
+                **base,
+                **backend_env,
+                **own[LOGS_SERVICE],
+                "MJ_SCHEDULER_ADDRESS": self.scheduler_address,
+            },
             logs_dir / "logs.log",
             self.logs_address,
+            security=self.probe_security,
         )
         self.controllers: list[Service] = []
-        for index in range(replicas):
+        for index, controller_id in enumerate(controller_ids):
             port = controller_ports[index] if index < len(controller_ports) else free_port()
             self.controllers.append(
                 Service(
-                    f"controller-{index + 1}",
+                    controller_id,
                     [*py, "services.controller.main", "--port", str(port)]
-                    + ["--controller-id", f"controller-{index + 1}", *controller_args],
+                    + ["--controller-id", controller_id, *controller_args],
                     {
                         **base,
                         **backend_env,
+                        **own[controller_id],
                         "MJ_SCHEDULER_ADDRESS": self.scheduler_address,
                         "MJ_LOGS_ADDRESS": self.logs_address,
                     },
-                    logs_dir / f"controller-{index + 1}.log",
+                    logs_dir / f"{controller_id}.log",
                     f"127.0.0.1:{port}",
+                    security=self.probe_security,
                 )
             )
+
+    def _secure(
+        self, base: dict[str, str], controller_ids: list[str], auth: bool, tls: bool
+    ) -> dict[str, dict[str, str]]:
+        """Makes the tokens (and with `tls` the certificates); returns each service's env.
+
+        Sets `client_security` (the admin's token and TLS, for tests and `mj`),
+        `probe_security` (TLS only, for health checks) and `tls_dir`.
+        """
+        names = ["scheduler", LOGS_SERVICE, "simcloud", *controller_ids]
+        own: dict[str, dict[str, str]] = {name: {} for name in names}
+        for name in names:
+            # Every setting is explicit: a variable from the caller's shell must not leak in.
+            own[name].update(
+                {
+                    "MJ_AUTH": "tokens" if auth else "none",
+                    "MJ_TOKENS_FILE": "",
+                    "MJ_TOKEN": "",
+                    "MJ_TOKEN_FILE": "",
+                    "MJ_TLS_CERT": "",
+                    "MJ_TLS_KEY": "",
+                    "MJ_TLS_CLIENT_CA": "",
+                    "MJ_TLS_CA": "",
+                    "MJ_TLS_CLIENT_CERT": "",
+                    "MJ_TLS_CLIENT_KEY": "",
+                }
+            )
+        secrets = Secrets.in_data_dir(self.data_dir)
+        self.tokens_file = tokens_path(self.data_dir)
+        bootstrap(
+            self.tokens_file,
+            secrets,
+            admin=local_user(),
+            controllers=controller_ids,
+            services=[LOGS_SERVICE],
+        )
+        self.admin_token_file = secrets.admin()
+        for name in names:
+            own[name]["MJ_TOKENS_FILE"] = str(self.tokens_file)
+        own[LOGS_SERVICE]["MJ_TOKEN_FILE"] = str(secrets.service(LOGS_SERVICE))
+        for controller_id in controller_ids:
+            own[controller_id]["MJ_TOKEN_FILE"] = str(secrets.controller(controller_id))
+        self.tls_dir: Path | None = None
+        client_tls: ClientTls | None = None
+        if tls:
+            self.tls_dir = self.data_dir / "tls"
+            ca = make_certificates(
+                self.tls_dir,
+                hosts=TLS_HOSTS,
+                controllers=controller_ids,
+                clients=["admin"],
+                extra_names=LOOPBACK_NAMES,
+            )
+            for name in names:
+                own[name].update(
+                    {
+                        "MJ_TLS_CERT": str(self.tls_dir / f"{name}.pem"),
+                        "MJ_TLS_KEY": str(self.tls_dir / f"{name}.key"),
+                        "MJ_TLS_CLIENT_CA": str(ca),
+                        "MJ_TLS_CA": str(ca),
+                        "MJ_TLS_CLIENT_CERT": str(self.tls_dir / f"{name}.pem"),
+                        "MJ_TLS_CLIENT_KEY": str(self.tls_dir / f"{name}.key"),
+                    }
+                )
+            client_tls = ClientTls.from_files(
+                str(ca), str(self.tls_dir / "admin.pem"), str(self.tls_dir / "admin.key")
+            )
+        self.client_security = ClientSecurity(TokenSource(path=self.admin_token_file), client_tls)
+        self.probe_security = ClientSecurity(None, client_tls)
+        return own
+
+    @property
+    def admin_token(self) -> str:
+        """The admin token the stack made for the local user."""
+        return self.admin_token_file.read_text().strip()
+
+    def client_env(self) -> dict[str, str]:
+        """Variables that point `mj` at this stack; it finds the admin token in the data dir."""
+        env = {
+            "MJ_SCHEDULER_ADDRESS": self.scheduler_address,
+            "MJ_LOGS_ADDRESS": self.logs_address,
+            "MJ_DATA_DIR": str(self.data_dir),
+            "MJ_TOKEN": "",
+            "MJ_TOKEN_FILE": "",
+            "MJ_TLS_CA": "",
+            "MJ_TLS_CLIENT_CERT": "",
+            "MJ_TLS_CLIENT_KEY": "",
+        }
+        if self.tls_dir is not None:
+            env["MJ_TLS_CA"] = str(self.tls_dir / "ca.pem")
+            env["MJ_TLS_CLIENT_CERT"] = str(self.tls_dir / "admin.pem")
+            env["MJ_TLS_CLIENT_KEY"] = str(self.tls_dir / "admin.key")
+        return env
+
+    def channel(self, address: str) -> grpc.Channel:
+        """A blocking channel to one of the stack's servers, as the admin."""
+        return open_sync_channel(address, self.client_security)
 
     @property
     def services(self) -> list[Service]:
@@ -239,13 +380,13 @@ class Stack:
     def start(self, timeout: float = 30.0) -> None:
         if self.simcloud is not None:
             self.simcloud.start()
-            wait_serving(self.simcloud.address, timeout)
+            self.simcloud.wait_serving(timeout)
         self.scheduler.start()
-        wait_serving(self.scheduler_address, timeout)
+        self.scheduler.wait_serving(timeout)
         for service in [self.logs, *self.controllers]:
             service.start()
         for service in [self.logs, *self.controllers]:
-            wait_serving(service.address, timeout)
+            service.wait_serving(timeout)
 
     def stop(self) -> None:
         # Replicas first, so that they hand their jobs back to a live scheduler.
@@ -285,6 +426,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=os.environ.get("MJ_SIMCLOUD_CONFIG", ""),
         help="YAML config of the sim cloud (default: its built-in three regions)",
     )
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="TLS and mTLS between every process, with certificates made under DATA_DIR/tls",
+    )
     args = parser.parse_args(argv)
     simcloud_args: list[str] | None = None
     pools: dict[str, NodePool] = {}
@@ -307,6 +453,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         simcloud_args=simcloud_args,
         simcloud_port=50071,
         ssh_node_pools=args.ssh_node_pools if args.backend == "ssh" else "",
+        tls=args.tls,
     )
     stopping = False
 
@@ -326,6 +473,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     for service in stack.controllers:
         print(f"{service.name:<10} {service.address}")
     print(f"data dir   {stack.data_dir}  (service logs in {stack.data_dir / 'service-logs'})")
+    print(f"tokens     {stack.tokens_file}  (mj uses {stack.admin_token_file} by itself)")
+    if stack.tls_dir is not None:
+        tls = stack.tls_dir
+        print(
+            f"tls        export MJ_TLS_CA={tls / 'ca.pem'} MJ_TLS_CLIENT_CERT={tls / 'admin.pem'} "
+            f"MJ_TLS_CLIENT_KEY={tls / 'admin.key'}"
+        )
     print("try: mj launch examples/hello.yaml   (Ctrl-C stops everything)")
     try:
         while not stopping:

@@ -13,13 +13,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def mj(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """Runs the real `mj` client against the stack, as user e2e."""
-    env = {
-        **os.environ,
-        "MJ_SCHEDULER_ADDRESS": stack.scheduler_address,
-        "MJ_LOGS_ADDRESS": stack.logs_address,
-        "MJ_USER": "e2e",
-    }
+    """Runs the real `mj` client against the stack, as user e2e.
+
+    `mj` finds the stack's admin token in its data dir by itself (and the CA and
+    client certificate come from `client_env` when the stack runs TLS).
+    """
+    env = {**os.environ, **stack.client_env(), "MJ_USER": "e2e"}
     return subprocess.run(
         [sys.executable, "-m", "services.cli", *args],
         env=env,

@@ -50,6 +50,7 @@ from services.backends import (
 )
 from services.backends.sim import SimBackend
 from services.backends.wrapper import BackendWrapper
+from services.common.edge import ServerSecurity
 from services.common.statuses import JobStatus, task_transition_allowed
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
@@ -138,7 +139,7 @@ class World:
 
     @classmethod
     async def open(cls, config: CloudConfig = CLOUD) -> World:
-        cloud = await start(config, port=0)
+        cloud = await start(config, port=0, security=ServerSecurity.without_auth())
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{cloud.port}")
         return cls(cloud, channel)
 

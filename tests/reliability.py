@@ -56,6 +56,7 @@ from managedjobs.v1 import (
     scheduler_service_pb2_grpc,
 )
 from managedjobs.v1 import job_service_pb2 as pb
+from services.common.channels import ClientSecurity, open_sync_channel
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.stack import Service, Stack
 
@@ -385,7 +386,9 @@ class Client:
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+                self._channels[address] = open_sync_channel(
+                    address, self.stack.client_security, CHANNEL_OPTIONS
+                )
             return self._channels[address]
 
     def close(self) -> None:
@@ -501,8 +504,8 @@ class EventLog:
     not the proof: the complete log is read from the database at the end.
     """
 
-    def __init__(self, address: str) -> None:
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    def __init__(self, address: str, security: ClientSecurity) -> None:
+        self._channel = open_sync_channel(address, security, CHANNEL_OPTIONS)
         self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
         self._changed = threading.Condition()
         self.by_job: dict[int, list[job_pb2.JobEvent]] = collections.defaultdict(list)

@@ -311,7 +311,7 @@ def run_soak(
             heartbeat_interval=config.heartbeat_interval,
         )
         client = Client(stack)
-        events = EventLog(stack.scheduler_address).start()
+        events = EventLog(stack.scheduler_address, stack.client_security).start()
         chaos = Chaos(stack, client, config.seed, config.kill_interval, config.restart_delay, log)
         try:
             started = time.monotonic()

@@ -13,7 +13,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from managedjobs.v1 import job_service_pb2 as pb
@@ -50,7 +49,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def test_forty_jobs_never_exceed_the_limits_and_start_in_order(stack: Stack) -> None:
     rng = random.Random(3)
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
+    with stack.channel(stack.scheduler_address) as channel:
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
         ids = []
         for i in range(40):

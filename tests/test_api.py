@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
+from services.common.edge import ServerSecurity
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Limits
 from services.scheduler.main import SchedulerApp
@@ -17,7 +18,7 @@ from services.scheduler.main import SchedulerApp
 
 @pytest.fixture
 async def client(database_url: str) -> AsyncIterator[job_service_pb2_grpc.JobServiceStub]:
-    app = SchedulerApp(database_url, Limits())
+    app = SchedulerApp(database_url, Limits(), security=ServerSecurity.without_auth())
     port = await app.start()
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         yield job_service_pb2_grpc.JobServiceStub(channel)
@@ -57,7 +58,7 @@ async def test_bad_spec_is_invalid_argument_naming_the_field_and_stores_nothing(
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in (caught.value.details() or "")
     info = error_info(caught.value)
-    assert info.reason == "INVALID_ARGUMENT" and info.metadata["field"] == field
+    assert info.reason == "SPEC_INVALID" and info.metadata["field"] == field
     listed = await client.ListJobs(pb.ListJobsRequest())
     assert list(listed.jobs) == []
 
@@ -225,3 +226,15 @@ async def test_a_secret_clashing_with_an_env_is_refused(
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, secrets={"KEY": "b"}))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_huge_bad_page_token_is_refused_quoting_at_most_200_characters(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await client.ListJobs(pb.ListJobsRequest(page_token="é" * 1_000_000))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error_info(caught.value).reason == "PAGE_TOKEN_INVALID"
+    details = caught.value.details() or ""
+    assert details.count("é") == 200
+    assert details.endswith("(1,000,000 characters) is not a token this server issued")

@@ -564,12 +564,22 @@ def test_logs_passes_task_tail_and_follow(
 
 def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None:
     """mj launch keys its submission, so it retries safely until the scheduler answers."""
+    from services.common.auth import Secrets
+    from services.common.tokens import bootstrap, tokens_path
     from services.stack import free_port, wait_serving
 
     port = free_port()
     spec = tmp_path / "job.yaml"
     spec.write_text("name: late\nrun: echo hi\n")
-    env = {**os.environ, "MJ_SCHEDULER_ADDRESS": f"127.0.0.1:{port}"}
+    data = tmp_path / "data"
+    bootstrap(tokens_path(data), Secrets.in_data_dir(data), admin="e2e")
+    # mj finds the admin token in the data dir by itself.
+    env = {
+        **os.environ,
+        "MJ_SCHEDULER_ADDRESS": f"127.0.0.1:{port}",
+        "MJ_DATA_DIR": str(data),
+        "MJ_TOKEN": "",
+    }
     launch = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "launch", str(spec), "--detach"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -588,3 +598,27 @@ def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None
     finally:
         scheduler.terminate()
         scheduler.wait(15)
+
+
+def test_mj_takes_its_token_from_the_flag_then_a_file_then_the_data_dir(tmp_path: Path) -> None:
+    from services.cli.main import build_parser, client_security
+    from services.common.auth import Secrets
+
+    data = tmp_path / "data"
+    admin = Secrets.in_data_dir(data).admin()
+    admin.parent.mkdir(parents=True)
+    admin.write_text("from-data-dir\n")
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    environ = {"MJ_DATA_DIR": str(data)}
+
+    def token(*flags: str, **env: str) -> str | None:
+        args = build_parser({**environ, **env}).parse_args([*flags, "queue"])
+        security = client_security(args)
+        return security.token() if security.token is not None else None
+
+    assert token() == "from-data-dir"
+    assert token(MJ_TOKEN_FILE=str(token_file)) == "from-file"
+    assert token("--token", "from-flag", MJ_TOKEN_FILE=str(token_file)) == "from-flag"
+    assert token(MJ_TOKEN="from-env") == "from-env"
+    assert token(MJ_DATA_DIR=str(tmp_path / "elsewhere")) is None

@@ -1,41 +1,56 @@
-"""docker-compose.yml only uses commands, flags and environment variables the services accept."""
+"""docker-compose.yml only uses commands, flags and environment variables the services
+accept, and runs them with tokens, TLS and mTLS on (SPEC §14)."""
 
 from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+from services.common import settings as common
+from services.common.certs import SETTINGS as CERTS
 from services.common.settings import Setting
+from services.common.tokens import SETTINGS as TOKENS
 from services.controller.main import SETTINGS as CONTROLLER
 from services.logs.main import SETTINGS as LOGS
 from services.scheduler.main import SETTINGS as SCHEDULER
+from services.simcloud.main import SETTINGS as SIMCLOUD
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCEPTED: dict[str, tuple[Setting, ...]] = {
     "mj-scheduler": SCHEDULER,
     "mj-controller": CONTROLLER,
     "mj-logs": LOGS,
+    "mj-certs": CERTS,
+    "mj-tokens": TOKENS,
 }
+SERVERS = {"mj-scheduler", "mj-controller", "mj-logs"}
+CLIENTS = {"mj-controller", "mj-logs"}
 
 
-def compose_services() -> dict[str, dict[str, object]]:
-    services: dict[str, dict[str, object]] = yaml.safe_load(
-        (ROOT / "docker-compose.yml").read_text()
-    )["services"]
+def compose_services() -> dict[str, dict[str, Any]]:
+    services: dict[str, dict[str, Any]] = yaml.safe_load((ROOT / "docker-compose.yml").read_text())[
+        "services"
+    ]
     return services
+
+
+def by_command(name: str) -> dict[str, dict[str, Any]]:
+    return {k: s for k, s in compose_services().items() if s.get("command", [""])[0] == name}
 
 
 def test_compose_runs_the_topology() -> None:
     services = compose_services()
-    commands = [s["command"][0] for s in services.values() if "command" in s]  # type: ignore[index]
+    commands = [s["command"][0] for s in services.values() if "command" in s]
     assert sorted(commands) == sorted(
-        ["mj-scheduler", "mj-controller", "mj-controller", "mj-controller", "mj-logs"]
-    )
+        ["mj-certs", "mj-tokens", "mj-scheduler", "mj-controller", "mj-controller",
+         "mj-controller", "mj-logs"]
+    )  # fmt: skip
     assert "postgres" in services
     scheduler_env = services["scheduler"]["environment"]
-    assert str(scheduler_env["MJ_DATABASE_URL"]).startswith("postgresql://")  # type: ignore[index]
+    assert str(scheduler_env["MJ_DATABASE_URL"]).startswith("postgresql://")
 
 
 def test_every_command_flag_and_variable_is_accepted() -> None:
@@ -43,7 +58,7 @@ def test_every_command_flag_and_variable_is_accepted() -> None:
     for name, service in compose_services().items():
         if "command" not in service:
             continue
-        command: list[str] = service["command"]  # type: ignore[assignment]
+        command: list[str] = service["command"]
         assert command[0] in scripts, name
         accepted = ACCEPTED[command[0]]
         flags = {s.flag for s in accepted}
@@ -51,8 +66,60 @@ def test_every_command_flag_and_variable_is_accepted() -> None:
             if word.startswith("--"):
                 assert word.split("=")[0] in flags, f"{name}: {word}"
         envs = {s.env for s in accepted}
-        for key in service.get("environment", {}):  # type: ignore[attr-defined]
+        for key in service.get("environment", {}):
             assert key in envs, f"{name}: {key} is not a setting of {command[0]}"
+
+
+def test_every_server_and_client_has_the_security_settings() -> None:
+    for settings in (SCHEDULER, CONTROLLER, LOGS, SIMCLOUD):
+        assert set(common.SERVER_SECURITY) <= set(settings)
+    for settings in (CONTROLLER, LOGS):
+        assert set(common.CLIENT_SECURITY) <= set(settings)
+
+
+def test_every_server_runs_tokens_tls_and_mtls() -> None:
+    for command in SERVERS:
+        for name, service in by_command(command).items():
+            env = service["environment"]
+            assert env.get("MJ_AUTH", "tokens") == "tokens", name
+            assert "MJ_INSECURE" not in env, name
+            assert env["MJ_TOKENS_FILE"] == "/secrets/tokens.yaml", name
+            assert env["MJ_TLS_CERT"].startswith("/tls/"), name
+            assert env["MJ_TLS_KEY"].startswith("/tls/"), name
+            assert env["MJ_TLS_CLIENT_CA"] == "/tls/ca.pem", name
+            depends = service["depends_on"]
+            for step in ("certs", "tokens"):
+                assert depends[step]["condition"] == "service_completed_successfully", name
+
+
+def test_every_client_speaks_tls_with_its_own_certificate_and_token() -> None:
+    for command in CLIENTS:
+        for name, service in by_command(command).items():
+            env = service["environment"]
+            assert env["MJ_TLS_CA"] == "/tls/ca.pem", name
+            assert env["MJ_TLS_CLIENT_CERT"].startswith("/tls/"), name
+            assert env["MJ_TOKEN_FILE"].startswith("/secrets/"), name
+
+
+def test_each_replica_has_the_certificate_and_token_of_its_controller_id() -> None:
+    certs = next(iter(by_command("mj-certs").values()))["environment"]
+    tokens = next(iter(by_command("mj-tokens").values()))["environment"]
+    ids = []
+    for name, service in by_command("mj-controller").items():
+        env = service["environment"]
+        controller_id = env["MJ_CONTROLLER_ID"]
+        ids.append(controller_id)
+        assert env["MJ_TLS_CERT"] == env["MJ_TLS_CLIENT_CERT"] == f"/tls/{controller_id}.pem"
+        assert env["MJ_TOKEN_FILE"] == f"/secrets/controllers/{controller_id}.token", name
+    assert sorted(certs["MJ_CERTS_CONTROLLERS"].split(",")) == sorted(ids)
+    assert sorted(tokens["MJ_TOKENS_CONTROLLERS"].split(",")) == sorted(ids)
+    assert {"scheduler", "logs"} <= set(certs["MJ_CERTS_HOSTS"].split(","))
+    # The CA's key is in a volume of its own, which no service mounts.
+    ca_volume = certs["MJ_CERTS_CA_KEY"].split("/")[1]
+    for name, service in compose_services().items():
+        if name != "certs":
+            assert not any(v.endswith(f":/{ca_volume}") for v in service.get("volumes", [])), name
+    assert tokens["MJ_TOKENS_SERVICES"] == "logs"
 
 
 def test_dockerfile_installs_the_package_with_its_generated_code() -> None:

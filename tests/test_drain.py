@@ -10,7 +10,6 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
@@ -43,7 +42,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 def test_sigterm_hands_jobs_back_and_they_finish_elsewhere(stack: Stack) -> None:
     spec = "run: train\nsim: {runtime_seconds: 40}\n"
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
+    with stack.channel(stack.scheduler_address) as channel:
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
         ids = [jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec)).job_id for _ in range(4)]
         running: set[int] = set()
@@ -74,7 +73,7 @@ def test_sigterm_hands_jobs_back_and_they_finish_elsewhere(stack: Stack) -> None
     assert {j.status for j in final} == {JobStatus.SUCCEEDED}
     assert {j.controller_id for j in final if j.job_id in held} == {"controller-2"}
     assert all(j.recovery_count == 0 for j in final)
-    with grpc.insecure_channel(stack.simcloud_address) as channel:
+    with stack.channel(stack.simcloud_address) as channel:
         cloud = spb_grpc.SimOperatorServiceStub(channel)
         state = cloud.GetCloudState(spb.GetCloudStateRequest())
         assert state.live_clusters == 0

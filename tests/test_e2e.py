@@ -15,7 +15,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import psutil
 import pytest
 from e2e import assert_no_tracebacks, mj
@@ -49,7 +48,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
+    with stack.channel(stack.scheduler_address) as channel:
         yield job_service_pb2_grpc.JobServiceStub(channel)
 
 
@@ -87,8 +86,8 @@ def test_grpcurl_submits_a_job_in_json(
 ) -> None:
     body = json.dumps({"spec_yaml": "name: from-grpcurl\nrun: echo via grpcurl\n", "user": "ops"})
     out = subprocess.run(
-        [GRPCURL, "-plaintext", "-d", body, stack.scheduler_address,
-         "managedjobs.v1.JobService/SubmitJob"],
+        [GRPCURL, "-plaintext", "-H", f"authorization: Bearer {stack.admin_token}",
+         "-d", body, stack.scheduler_address, "managedjobs.v1.JobService/SubmitJob"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     reply = json.loads(out)
@@ -234,7 +233,7 @@ def test_controller_state_shows_its_lease_and_capacity(stack: Stack) -> None:
     from managedjobs.v1 import controller_service_pb2 as cpb
     from managedjobs.v1 import controller_service_pb2_grpc
 
-    with grpc.insecure_channel(stack.controllers[1].address) as channel:
+    with stack.channel(stack.controllers[1].address) as channel:
         state = controller_service_pb2_grpc.ControllerServiceStub(channel).GetControllerState(
             cpb.GetControllerStateRequest(), timeout=10
         )

@@ -32,6 +32,8 @@ from services.backends.base import (
     TaskStatus,
 )
 from services.backends.local import LocalBackend
+from services.common.channels import ClientSecurity
+from services.common.edge import ServerSecurity
 from services.common.server import Server
 from services.logs import RECOVERED_MARKER, JobDirectory, LogServicer, LogStore
 from services.logs.main import SETTINGS
@@ -284,17 +286,17 @@ class Follow:
 async def running_system(data_dir: Path, backend: Backend) -> AsyncIterator[System]:
     """A fake scheduler and a real logs service, both on port 0."""
     scheduler = FakeJobService()
-    scheduler_server = Server("127.0.0.1", 0)
+    scheduler_server = Server("127.0.0.1", 0, security=ServerSecurity.without_auth())
     scheduler_server.add(
         job_service_pb2_grpc.add_JobServiceServicer_to_server,
         scheduler,
         "managedjobs.v1.JobService",
     )
     scheduler_port = await scheduler_server.start()
-    directory = JobDirectory(f"127.0.0.1:{scheduler_port}")
+    directory = JobDirectory(f"127.0.0.1:{scheduler_port}", ClientSecurity())
     store = LogStore(data_dir / "logs")
     servicer = LogServicer(store, directory, backend)
-    logs_server = Server("127.0.0.1", 0)
+    logs_server = Server("127.0.0.1", 0, security=ServerSecurity.without_auth())
     logs_server.add(
         log_service_pb2_grpc.add_LogServiceServicer_to_server,
         servicer,
@@ -523,7 +525,7 @@ async def test_follow_survives_a_scheduler_restart(system: System) -> None:
     port = system.scheduler_server.port
     await system.scheduler_server.stop(0)
 
-    restarted = Server("127.0.0.1", port)
+    restarted = Server("127.0.0.1", port, security=ServerSecurity.without_auth())
     restarted.add(
         job_service_pb2_grpc.add_JobServiceServicer_to_server,
         system.scheduler,

@@ -101,7 +101,7 @@ def system(
         )
         print(f"service logs in {data_dir / 'service-logs'}")
         client = Client(stack)
-        events = EventLog(stack.scheduler_address).start()
+        events = EventLog(stack.scheduler_address, stack.client_security).start()
         try:
             yield System(stack, client, events, Database(url))
         finally:

@@ -17,6 +17,7 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.backends import ClusterEvent, ClusterHandle, ClusterStatus, Observation
 from services.backends.local import LocalBackend
 from services.backends.wrapper import BackendWrapper
+from services.common.channels import ClientSecurity
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
 from services.controller.replica import Replica
@@ -31,7 +32,7 @@ async def replica(tmp_path: Path) -> AsyncIterator[Replica]:
         address="",
         capacity=pb.Capacity(max_launches=4, max_jobs=10),
         backend=LocalBackend(tmp_path / "clusters"),
-        logs=LogsClient("127.0.0.1:1"),
+        logs=LogsClient("127.0.0.1:1", ClientSecurity()),
         config=LifecycleConfig(),
         scheduler_address="127.0.0.1:1",
     )

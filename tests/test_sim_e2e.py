@@ -61,13 +61,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
-    with grpc.insecure_channel(stack.scheduler_address) as channel:
+    with stack.channel(stack.scheduler_address) as channel:
         yield job_service_pb2_grpc.JobServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
 def cloud(stack: Stack) -> Iterator[spb_grpc.SimOperatorServiceStub]:
-    with grpc.insecure_channel(stack.simcloud_address) as channel:
+    with stack.channel(stack.simcloud_address) as channel:
         yield spb_grpc.SimOperatorServiceStub(channel)
 
 

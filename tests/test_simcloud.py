@@ -33,6 +33,7 @@ from services.backends import (
     make_backend,
 )
 from services.backends.sim import SimBackend
+from services.common.edge import ServerSecurity
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
 from services.simcloud.clusters import ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
@@ -372,7 +373,7 @@ def test_operator_preempts_regions_sets_capacity_and_fails_launches() -> None:
 @pytest.fixture
 async def running() -> AsyncIterator[RunningCloud]:
     config = small_cloud(time_scale=1000.0, launch_latency_seconds=2.0)
-    cloud = await start(config, port=0)
+    cloud = await start(config, port=0, security=ServerSecurity.without_auth())
     try:
         yield cloud
     finally:
@@ -525,7 +526,11 @@ async def test_inventory_lists_every_cluster_with_who_launched_it(
 
 async def test_a_launch_its_caller_abandons_is_rolled_back() -> None:
     """A cancelled Launch leaves no cluster behind, even one still provisioning."""
-    cloud = await start(small_cloud(time_scale=1.0, launch_latency_seconds=30.0), port=0)
+    cloud = await start(
+        small_cloud(time_scale=1.0, launch_latency_seconds=30.0),
+        port=0,
+        security=ServerSecurity.without_auth(),
+    )
     sim = make_backend("sim", {"simcloud_address": f"127.0.0.1:{cloud.port}"})
     try:
         launching = asyncio.create_task(sim.launch(task(7)))
@@ -580,7 +585,9 @@ async def manual() -> AsyncIterator[Manual]:
     config = small_cloud(launch_latency_seconds=0.0)
     east = dataclasses.replace(config.regions[0], notice_seconds=NOTICE)
     config = dataclasses.replace(config, regions=(east, *config.regions[1:]))
-    running = await start(config, port=0, clock=ManualClock(START))
+    running = await start(
+        config, port=0, clock=ManualClock(START), security=ServerSecurity.without_auth()
+    )
     backend = SimBackend(f"127.0.0.1:{running.port}")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     try:
@@ -693,7 +700,10 @@ async def test_a_spot_reclaim_is_announced_notice_seconds_ahead(manual: Manual) 
     notice = await next_event_of(stream, handle.cluster_name)
     deadline = START + 10 + NOTICE
     assert notice.notice_deadline == deadline
-    assert notice.observation == Observation(ClusterStatus.UP, TaskStatus.RUNNING)
+    # The observation carries the pending reclaim too, for whoever looks without the event.
+    assert notice.observation == Observation(
+        ClusterStatus.UP, TaskStatus.RUNNING, notice_deadline=deadline
+    )
     m.advance(NOTICE - 0.5)
     assert (await m.backend.observe(handle)).cluster == ClusterStatus.UP
     m.advance(0.5)

@@ -17,6 +17,7 @@ from google.protobuf import timestamp_pb2
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
+from services.common.edge import ServerSecurity
 from services.simcloud import CloudConfig, RunningCloud, start
 from services.simcloud.config import RegionConfig
 
@@ -42,7 +43,7 @@ class Clients:
 
 @pytest.fixture
 async def clients() -> AsyncIterator[Clients]:
-    running = await start(CONFIG, port=0)
+    running = await start(CONFIG, port=0, security=ServerSecurity.without_auth())
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
         try:
             yield Clients(

@@ -70,7 +70,7 @@ from services.backends.base import (
     TaskRequest,
     TaskStatus,
 )
-from services.common.server import CHANNEL_OPTIONS
+from services.common.channels import ClientSecurity, open_channel
 from services.simcloud.bounds import NAME_RE
 
 _CLUSTER_STATUS = {
@@ -205,11 +205,13 @@ class SimBackend(Backend):
         timeout: float = 10.0,
         launch_timeout: float = 3600.0,
         reachable_timeout: float = 2.0,
+        security: ClientSecurity | None = None,
     ) -> None:
         """Creates the backend; the channel opens on first use.
 
         Args:
             address: host:port of mj-simcloud.
+            security: The token (a controller's, or the logs service's) and TLS to call with.
             timeout: Seconds for each call but Launch and log streams.
             launch_timeout: Seconds a Launch may take (it returns once the cluster is UP).
             reachable_timeout: Seconds `reachable` waits for an answer.
@@ -218,6 +220,7 @@ class SimBackend(Backend):
         self._timeout = timeout
         self._launch_timeout = launch_timeout
         self._reachable_timeout = reachable_timeout
+        self._security = security or ClientSecurity()
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SimCloudServiceAsyncStub | None = None
         self._after_seq = 0
@@ -228,7 +231,7 @@ class SimBackend(Backend):
 
     def _cloud(self) -> pb_grpc.SimCloudServiceAsyncStub:
         if self._stub is None:
-            self._channel = grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+            self._channel = open_channel(self.address, self._security)
             self._stub = pb_grpc.SimCloudServiceStub(self._channel)
         return self._stub
 
@@ -463,8 +466,9 @@ class SimBackend(Backend):
 
 
 def from_settings(settings: Mapping[str, Any]) -> SimBackend:
-    """The sim backend of a service: the client of the sim cloud at `simcloud_address`."""
+    """The sim backend of a service: the client of the sim cloud at `simcloud_address`,
+    calling with the service's own token and TLS settings (`settings.CLIENT_SECURITY`)."""
     address = settings.get("simcloud_address")
     if not address:
         raise ValueError("the sim backend needs simcloud_address (host:port of mj-simcloud)")
-    return SimBackend(str(address))
+    return SimBackend(str(address), security=ClientSecurity.from_settings(settings))

@@ -1,7 +1,8 @@
 """The client side of the API: the scheduler's JobService and SchedulerService, and LogService.
 
-One channel per service, opened on first use. Every call carries the caller's
-bearer token; unary calls carry the `--timeout` deadline, streams none (a
+One channel per service, opened on first use (services/common/channels.py: TLS
+when a CA is configured, and the caller's bearer token on every call); unary
+calls carry the `--timeout` deadline, streams none (a
 follow lasts as long as the job). Any failed call becomes a `ServiceError`
 naming the service and the address it was reached at, so the message for a
 person can say which one is down.
@@ -25,7 +26,7 @@ from managedjobs.v1 import (
     scheduler_service_pb2,
     scheduler_service_pb2_grpc,
 )
-from services.common.server import CHANNEL_OPTIONS
+from services.common.channels import ClientSecurity, open_sync_channel
 
 SCHEDULER = "scheduler"
 LOGS = "logs service"
@@ -72,14 +73,16 @@ class Client:
     """Typed calls to the services; use as a context manager to close the channels."""
 
     def __init__(
-        self, scheduler_address: str, logs_address: str, token: str, timeout: float
+        self,
+        scheduler_address: str,
+        logs_address: str,
+        security: ClientSecurity,
+        timeout: float,
     ) -> None:
         self.scheduler_address = scheduler_address
         self.logs_address = logs_address
         self._timeout = timeout
-        self._metadata: tuple[tuple[str, str], ...] = (
-            (("authorization", f"Bearer {token}"),) if token else ()
-        )
+        self._security = security
         self._channels: dict[str, grpc.Channel] = {}
 
     def __enter__(self) -> Client:
@@ -100,7 +103,7 @@ class Client:
 
     def _channel(self, address: str) -> grpc.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self._channels[address] = open_sync_channel(address, self._security)
         return self._channels[address]
 
     def _jobs(self) -> job_service_pb2_grpc.JobServiceStub:
@@ -124,9 +127,7 @@ class Client:
             reraise=True,
         )
         with _calling(SCHEDULER, self.scheduler_address):
-            response = retrying(
-                self._jobs().SubmitJob, request, timeout=self._timeout, metadata=self._metadata
-            )
+            response = retrying(self._jobs().SubmitJob, request, timeout=self._timeout)
         return response.job_id
 
     def get_job(self, job_id: int) -> job_pb2.Job:
@@ -134,7 +135,6 @@ class Client:
             response = self._jobs().GetJob(
                 job_service_pb2.GetJobRequest(job_id=job_id),
                 timeout=self._timeout,
-                metadata=self._metadata,
             )
         return response.job
 
@@ -148,9 +148,7 @@ class Client:
         request = job_service_pb2.ListJobsRequest(statuses=statuses, user=user, page_size=page_size)
         while True:
             with _calling(SCHEDULER, self.scheduler_address):
-                response = self._jobs().ListJobs(
-                    request, timeout=self._timeout, metadata=self._metadata
-                )
+                response = self._jobs().ListJobs(request, timeout=self._timeout)
             yield from response.jobs
             if not response.next_page_token:
                 return
@@ -158,9 +156,7 @@ class Client:
 
     def cancel_jobs(self, request: job_service_pb2.CancelJobsRequest) -> list[int]:
         with _calling(SCHEDULER, self.scheduler_address):
-            response = self._jobs().CancelJobs(
-                request, timeout=self._timeout, metadata=self._metadata
-            )
+            response = self._jobs().CancelJobs(request, timeout=self._timeout)
         return list(response.cancelled_job_ids)
 
     def watch_jobs(self, job_ids: Iterable[int], after_event_id: int) -> Iterator[job_pb2.JobEvent]:
@@ -174,7 +170,6 @@ class Client:
             delivered = False
             call = self._jobs().WatchJobs(
                 job_service_pb2.WatchJobsRequest(job_ids=job_ids, after_event_id=after_event_id),
-                metadata=self._metadata,
             )
             try:
                 with _calling(SCHEDULER, self.scheduler_address):
@@ -191,7 +186,7 @@ class Client:
 
     def read_logs(self, request: log_service_pb2.ReadLogsRequest) -> Iterator[bytes]:
         """The bytes of a task's (or the controller's) log as the logs service sends them."""
-        call = self._logs().ReadLogs(request, metadata=self._metadata)
+        call = self._logs().ReadLogs(request)
         try:
             with _calling(LOGS, self.logs_address):
                 for response in call:
@@ -204,5 +199,4 @@ class Client:
             return self._scheduler().GetSchedulerState(
                 scheduler_service_pb2.GetSchedulerStateRequest(),
                 timeout=self._timeout,
-                metadata=self._metadata,
             )

@@ -1,8 +1,15 @@
 """`mj`: submit, list, inspect, cancel and follow managed jobs (SPEC §12).
 
-Connection flags (`--scheduler`, `--logs`, `--user`, `--token`, `--timeout`)
-each have an environment variable (`MJ_SCHEDULER_ADDRESS`, `MJ_LOGS_ADDRESS`,
-`MJ_USER`, `MJ_TOKEN`, `MJ_TIMEOUT`) and go before or after the subcommand.
+Connection flags (`--scheduler`, `--logs`, `--user`, `--token`, `--timeout`,
+`--tls-ca`...) each have an environment variable (`MJ_SCHEDULER_ADDRESS`,
+`MJ_LOGS_ADDRESS`, `MJ_USER`, `MJ_TOKEN`, `MJ_TIMEOUT`, `MJ_TLS_CA`...) and go
+before or after the subcommand.
+
+The bearer token is `--token` (`MJ_TOKEN`), else the file `--token-file`
+(`MJ_TOKEN_FILE`), else the admin token `make up` keeps in the data dir
+(`MJ_DATA_DIR/secrets/admin.token`), so on the machine that runs the stack `mj`
+needs no setup. With `--tls-ca` it speaks TLS, presenting `--tls-client-cert` and
+`--tls-client-key` when the services require client certificates.
 
 Exit codes, which scripts can trust:
 
@@ -26,6 +33,7 @@ import getpass
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import NoReturn
 
 import grpc
@@ -34,7 +42,19 @@ from managedjobs.v1 import job_pb2
 from services.cli import commands
 from services.cli.client import Client, ServiceError
 from services.cli.exit_codes import ExitCode, UsageError
-from services.common.settings import LOGS_ADDRESS, SCHEDULER_ADDRESS, Setting
+from services.common.auth import Secrets
+from services.common.channels import ClientSecurity, TokenSource
+from services.common.settings import (
+    DATA_DIR,
+    LOGS_ADDRESS,
+    SCHEDULER_ADDRESS,
+    TLS_CA,
+    TLS_CLIENT_CERT,
+    TLS_CLIENT_KEY,
+    TOKEN_FILE,
+    Setting,
+)
+from services.common.tls import ClientTls, TlsConfigError
 
 Command = Callable[[Client, argparse.Namespace], int]
 
@@ -86,9 +106,24 @@ def _os_user() -> str:
 SCHEDULER = dataclasses.replace(SCHEDULER_ADDRESS, name="scheduler")
 LOGS = dataclasses.replace(LOGS_ADDRESS, name="logs")
 USER = Setting("user", "MJ_USER", _os_user(), "who submits; whose jobs are shown and cancelled")
-TOKEN = Setting("token", "MJ_TOKEN", "", "bearer token, when the services require one")
+TOKEN = Setting("token", "MJ_TOKEN", "", "bearer token (else --token-file, else the data dir's)")
 TIMEOUT = Setting("timeout", "MJ_TIMEOUT", 10.0, "seconds to wait for a unary call", _seconds)
-SETTINGS = (SCHEDULER, LOGS, USER, TOKEN, TIMEOUT)
+TOKEN_FILE_ = dataclasses.replace(TOKEN_FILE, help="file holding the bearer token")
+DATA_DIR_ = dataclasses.replace(
+    DATA_DIR, help="where `make up` keeps the admin token used when no token is given"
+)
+SETTINGS = (
+    SCHEDULER,
+    LOGS,
+    USER,
+    TOKEN,
+    TOKEN_FILE_,
+    DATA_DIR_,
+    TLS_CA,
+    TLS_CLIENT_CERT,
+    TLS_CLIENT_KEY,
+    TIMEOUT,
+)
 
 
 def _add_settings(
@@ -212,6 +247,26 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     return parser
 
 
+def client_security(args: argparse.Namespace) -> ClientSecurity:
+    """The token (flag, file, or the data dir's admin token) and TLS `mj` calls with.
+
+    Raises:
+        UsageError: a token or TLS file that cannot be read, or incomplete TLS flags.
+    """
+    try:
+        tls = ClientTls.from_files(args.tls_ca, args.tls_client_cert, args.tls_client_key)
+        if args.token:
+            return ClientSecurity(TokenSource(args.token), tls)
+        if args.token_file:
+            return ClientSecurity(TokenSource(path=Path(args.token_file)), tls)
+        local = Secrets.in_data_dir(Path(args.data_dir)).admin()
+        return ClientSecurity(TokenSource(path=local) if local.exists() else None, tls)
+    except TlsConfigError as error:
+        raise UsageError(str(error)) from None
+    except OSError as error:
+        raise UsageError(f"cannot read the token: {error.strerror or error}") from None
+
+
 def _check(args: argparse.Namespace) -> None:
     if args.command == "cancel":
         given = bool(args.job_ids) + bool(args.name) + bool(args.all)
@@ -219,6 +274,10 @@ def _check(args: argparse.Namespace) -> None:
             args.parser.error("give exactly one of: job ids, --name N, --all")
 
 
+NO_TOKEN_HINT = (
+    "no token given: use --token or MJ_TOKEN, --token-file, or MJ_DATA_DIR set to the data dir "
+    "of `make up`"
+)
 # How gRPC words a transport failure; the words after its last colon say why.
 _CONNECT_FAILED = "failed to connect to all addresses"
 
@@ -238,6 +297,7 @@ def _describe(error: ServiceError) -> str:
 def run(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     """Runs `mj` and returns its exit code instead of exiting."""
     label = "error"
+    security = ClientSecurity()
     try:
         try:
             args = build_parser(os.environ if environ is None else environ).parse_args(argv)
@@ -245,13 +305,17 @@ def run(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = N
         except SystemExit as exit_:
             return exit_.code if isinstance(exit_.code, int) else ExitCode.USAGE
         label = args.label
-        with Client(args.scheduler, args.logs, args.token, args.timeout) as client:
+        security = client_security(args)
+        with Client(args.scheduler, args.logs, security, args.timeout) as client:
             return int(args.run(client, args))
     except UsageError as error:
         print(f"mj: {label}: {error}", file=sys.stderr)
         return ExitCode.USAGE
     except ServiceError as error:
-        print(f"mj: {label}: {_describe(error)}", file=sys.stderr)
+        hint = ""
+        if error.code == grpc.StatusCode.UNAUTHENTICATED and security.token is None:
+            hint = f" ({NO_TOKEN_HINT})"
+        print(f"mj: {label}: {_describe(error)}{hint}", file=sys.stderr)
         unreachable = error.code == grpc.StatusCode.UNAVAILABLE
         return ExitCode.UNREACHABLE if unreachable else ExitCode.FAILED
     except KeyboardInterrupt:

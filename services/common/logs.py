@@ -43,6 +43,8 @@ def setup(service: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # Audit lines (services/common/edge.py) are written whatever the level.
+    logging.getLogger("audit").setLevel(logging.INFO)
     # SQLAlchemy and aiosqlite are loud at INFO.
     for name in ("sqlalchemy", "aiosqlite", "alembic", "asyncio"):
         logging.getLogger(name).setLevel(logging.WARNING)

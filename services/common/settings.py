@@ -40,6 +40,37 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def build_parser(
+    prog: str,
+    description: str,
+    settings: Sequence[Setting],
+    environ: Mapping[str, str] | None = None,
+) -> argparse.ArgumentParser:
+    """The argparse parser of `settings`: each environment variable supplies the default."""
+    environ = os.environ if environ is None else environ
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    for setting in settings:
+        default = setting.default
+        if setting.env in environ:
+            try:
+                default = setting.type(environ[setting.env])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                parser.error(f"{setting.env}={environ[setting.env]!r}: {exc}")
+        # A boolean flag alone means true: `--insecure` as well as `--insecure false`.
+        flag_only: dict[str, Any] = {"nargs": "?", "const": True} if setting.type is boolean else {}
+        parser.add_argument(
+            setting.flag,
+            dest=setting.name,
+            type=setting.type,
+            default=default,
+            help=f"{setting.help} (env {setting.env}; default {setting.default!r})",
+            **flag_only,
+        )
+    return parser
+
+
 def parse(
     prog: str,
     description: str,
@@ -48,23 +79,7 @@ def parse(
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Namespace:
     """Parses flags over environment variables over defaults."""
-    environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(prog=prog, description=description)
-    for setting in settings:
-        default = setting.default
-        if setting.env in environ:
-            try:
-                default = setting.type(environ[setting.env])
-            except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{setting.env}={environ[setting.env]!r}: {exc}")
-        parser.add_argument(
-            setting.flag,
-            dest=setting.name,
-            type=setting.type,
-            default=default,
-            help=f"{setting.help} (env {setting.env}; default {setting.default!r})",
-        )
-    return parser.parse_args(argv)
+    return build_parser(prog, description, settings, environ).parse_args(argv)
 
 
 # Settings shared by more than one service.
@@ -83,3 +98,62 @@ SHUTDOWN_GRACE = Setting(
     "seconds in-flight RPCs get to finish on SIGTERM",
     float,
 )
+
+
+def _auth_mode(text: str) -> str:
+    mode = text.strip().lower()
+    if mode not in ("tokens", "none"):
+        raise argparse.ArgumentTypeError(f"not an auth mode (tokens or none): {text!r}")
+    return mode
+
+
+# Security of a server (SPEC §14): see services/common/edge.py and tls.py.
+AUTH = Setting(
+    "auth",
+    "MJ_AUTH",
+    "tokens",
+    "tokens: every RPC but health and reflection needs a bearer token listed in the tokens "
+    "file; none: no checks, every caller is an admin (for tests only)",
+    _auth_mode,
+)
+TOKENS_FILE = Setting(
+    "tokens_file",
+    "MJ_TOKENS_FILE",
+    "",
+    "the tokens file: SHA-256, user, role per token (default: tokens.yaml in the data dir)",
+)
+TLS_CERT = Setting("tls_cert", "MJ_TLS_CERT", "", "PEM certificate chain to serve TLS with")
+TLS_KEY = Setting("tls_key", "MJ_TLS_KEY", "", "PEM private key of --tls-cert")
+TLS_CLIENT_CA = Setting(
+    "tls_client_ca",
+    "MJ_TLS_CLIENT_CA",
+    "",
+    "PEM CA that client certificates must be signed by: mTLS, a certificate required",
+)
+INSECURE = Setting(
+    "insecure",
+    "MJ_INSECURE",
+    False,
+    "allow serving plaintext on a non-loopback address",
+    boolean,
+)
+SERVER_SECURITY = (AUTH, TOKENS_FILE, TLS_CERT, TLS_KEY, TLS_CLIENT_CA, INSECURE)
+
+# Security of a client: the token it sends and how it checks the server.
+TOKEN = Setting(
+    "token", "MJ_TOKEN", "", "bearer token sent to other services (prefer --token-file)"
+)
+TOKEN_FILE = Setting(
+    "token_file",
+    "MJ_TOKEN_FILE",
+    "",
+    "file holding the bearer token sent to other services (re-read when it changes)",
+)
+TLS_CA = Setting("tls_ca", "MJ_TLS_CA", "", "PEM CA to verify servers with; set, clients speak TLS")
+TLS_CLIENT_CERT = Setting(
+    "tls_client_cert", "MJ_TLS_CLIENT_CERT", "", "PEM client certificate presented for mTLS"
+)
+TLS_CLIENT_KEY = Setting(
+    "tls_client_key", "MJ_TLS_CLIENT_KEY", "", "PEM private key of --tls-client-cert"
+)
+CLIENT_SECURITY = (TOKEN, TOKEN_FILE, TLS_CA, TLS_CLIENT_CERT, TLS_CLIENT_KEY)

@@ -20,7 +20,7 @@ import grpc
 from managedjobs.v1 import log_service_pb2 as pb
 from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import ClusterHandle
-from services.common.server import CHANNEL_OPTIONS
+from services.common.channels import ClientSecurity, open_channel
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,9 @@ SHIP_WAIT = 2.0
 
 
 class LogsClient:
-    def __init__(self, address: str, flush_interval: float = 0.2) -> None:
+    def __init__(self, address: str, security: ClientSecurity, flush_interval: float = 0.2) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, security)
         self._stub = log_service_pb2_grpc.LogServiceStub(self._channel)
         self._lines: list[pb.ControllerLogLine] = []
         # Lines noted and lines shipped (or given up on) since start, for `shipped`.

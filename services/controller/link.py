@@ -29,9 +29,16 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
-from services.common.server import CHANNEL_OPTIONS
+from services.common.channels import ClientSecurity, open_channel
 
 log = logging.getLogger(__name__)
+
+
+def _why(error: BaseException | None) -> str:
+    """One line on why a stream attempt failed (e.g. UNAUTHENTICATED: unknown token)."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
 
 
 class StreamBroken(Exception):
@@ -61,6 +68,7 @@ class Link:
         hello: Callable[[], pb.ControllerHello],
         on_message: Callable[[pb.ConnectControllerResponse], Awaitable[None]],
         on_lease_lost: Callable[[], Awaitable[None]],
+        security: ClientSecurity | None = None,
         metadata: tuple[tuple[str, str], ...] = (),
         reconnect_max_wait: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
@@ -69,6 +77,7 @@ class Link:
         self._hello = hello
         self._on_message = on_message
         self._on_lease_lost = on_lease_lost
+        self._security = security or ClientSecurity()
         self._metadata = metadata
         self._reconnect_max_wait = reconnect_max_wait
         self._clock = clock
@@ -165,14 +174,18 @@ class Link:
                 retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
                 before_sleep=lambda state: log.warning(
                     "scheduler stream down; reconnecting",
-                    extra={"address": self.address, "attempt": state.attempt_number},
+                    extra={
+                        "address": self.address,
+                        "attempt": state.attempt_number,
+                        "error": _why(state.outcome.exception() if state.outcome else None),
+                    },
                 ),
             ):
                 with attempt:
                     await self._session()
 
     async def _session(self) -> None:
-        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+        async with open_channel(self.address, self._security) as channel:
             stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
             self._outbox = asyncio.Queue()
             hello = self._envelope(hello=self._hello())

@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import logging
 import os
+import re
 import socket
 import uuid
 from collections.abc import Sequence
@@ -19,9 +20,12 @@ from pathlib import Path
 from managedjobs.v1 import controller_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs, settings
+from services.common.channels import ClientSecurity
+from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
+from services.common.tls import TlsConfigError
 from services.controller.capacity import DEFAULT_MEMORY_PER_JOB_KB, replica_capacity
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
@@ -89,13 +93,21 @@ SETTINGS = (
         float,
     ),
     Setting("start_checks", "MJ_START_CHECKS", 60, "checks before a launch is retried", int),
+    *settings.SERVER_SECURITY,
+    *settings.CLIENT_SECURITY,
     METRICS_PORT,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
 
 
-async def serve(a: argparse.Namespace) -> None:
+def default_controller_id(port: int) -> str:
+    """Host name, port and a random suffix, in the characters a controller id allows."""
+    host = re.sub(r"[^a-z0-9.-]+", "-", socket.gethostname().lower()).strip("-.")[:40]
+    return f"{host or 'controller'}-{port}-{uuid.uuid4().hex[:6]}"
+
+
+async def serve(a: argparse.Namespace, security: ServerSecurity, client: ClientSecurity) -> None:
     backend = make_backend(a.backend, vars(a))
     await backend.prepare()
     config = LifecycleConfig(
@@ -107,7 +119,7 @@ async def serve(a: argparse.Namespace) -> None:
         start_checks=a.start_checks,
         start_check_interval=a.start_check_interval,
     )
-    server = Server(a.host, a.port)
+    server = Server(a.host, a.port, security=security)
     capacity = replica_capacity(
         a.max_launches or backend.launch_concurrency, a.max_jobs, a.memory_per_job_kb
     )
@@ -116,9 +128,10 @@ async def serve(a: argparse.Namespace) -> None:
         address="",
         capacity=capacity,
         backend=backend,
-        logs=LogsClient(a.logs_address),
+        logs=LogsClient(a.logs_address, client),
         config=config,
         scheduler_address=a.scheduler_address,
+        security=client,
     )
     server.add(
         controller_service_pb2_grpc.add_ControllerServiceServicer_to_server,
@@ -128,9 +141,7 @@ async def serve(a: argparse.Namespace) -> None:
     port = await server.start()
     # The id and address are known only once the port is bound; the link starts after.
     replica.address = f"{a.host}:{port}"
-    replica.controller_id = replica.controller_id or (
-        f"{socket.gethostname()}-{port}-{uuid.uuid4().hex[:6]}"
-    )
+    replica.controller_id = replica.controller_id or default_controller_id(port)
     replica.start()
     serve_metrics(a.metrics_port, a.host)
     log.info(
@@ -147,7 +158,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
     args.data_dir = str(Path(args.data_dir).resolve())
     logs.setup("controller", args.log_level)
-    asyncio.run(serve(args))
+    security = server_security("mj-controller", vars(args))
+    try:
+        client = ClientSecurity.from_settings(vars(args))
+    except (TlsConfigError, OSError) as exc:
+        raise SystemExit(f"mj-controller: {exc}") from None
+    asyncio.run(serve(args, security, client))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from managedjobs.v1 import controller_service_pb2 as cpb
 from managedjobs.v1 import controller_service_pb2_grpc, job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.backends import Backend, ClusterHandle
+from services.common.channels import ClientSecurity
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
 from services.controller import metrics
@@ -205,6 +206,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         logs: LogsClient,
         config: LifecycleConfig,
         scheduler_address: str,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.controller_id = controller_id
         self.address = address
@@ -213,7 +215,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.config = config
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
-        self.link = Link(scheduler_address, self.hello, self.on_message, self.on_lease_lost)
+        self.link = Link(
+            scheduler_address, self.hello, self.on_message, self.on_lease_lost, security
+        )
         self.metered = MeteredBackend(backend)
         self.backend: Backend = LeaseGuard(self.metered, self.link.wait_lease)
         self.watch = ClusterWatch(self.backend, config.poll_interval)

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from managedjobs.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
+from services.common.channels import ClientSecurity, open_channel
 from services.common.errors import Unavailable
-from services.common.server import CHANNEL_OPTIONS
 from services.common.statuses import ACTIVE, TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
@@ -48,12 +48,13 @@ class JobDirectory:
     def __init__(
         self,
         address: str,
+        security: ClientSecurity,
         *,
         timeout: float = 10.0,
         max_backoff: float = 5.0,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, security)
         self._stub = job_service_pb2_grpc.JobServiceStub(self._channel)
         self._timeout = timeout
         self._max_backoff = max_backoff

@@ -16,18 +16,23 @@ from pathlib import Path
 from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs
+from services.common.channels import ClientSecurity
+from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
 from services.common.settings import (
     BACKEND,
+    CLIENT_SECURITY,
     DATA_DIR,
     HOST,
     LOG_LEVEL,
     SCHEDULER_ADDRESS,
+    SERVER_SECURITY,
     SHUTDOWN_GRACE,
     Setting,
     parse,
 )
+from services.common.tls import TlsConfigError
 from services.logs.directory import JobDirectory
 from services.logs.service import LogServicer
 from services.logs.store import LogStore
@@ -51,6 +56,8 @@ SETTINGS = (
     SCHEDULER_ADDRESS,
     BACKEND,
     *backend_settings(),
+    *SERVER_SECURITY,
+    *CLIENT_SECURITY,
     METRICS_PORT,
     LOG_LEVEL,
     SHUTDOWN_GRACE,
@@ -62,16 +69,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Runs the logs service until SIGTERM or SIGINT."""
     args = parse("mj-logs", "Serves task and controller logs of managed jobs.", SETTINGS, argv)
     logs.setup("logs", args.log_level)
-    asyncio.run(serve(args))
+    security = server_security("mj-logs", vars(args))
+    try:
+        client = ClientSecurity.from_settings(vars(args))
+    except (TlsConfigError, OSError) as exc:
+        raise SystemExit(f"mj-logs: {exc}") from None
+    asyncio.run(serve(args, security, client))
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, security: ServerSecurity, client: ClientSecurity) -> None:
     """Serves with the parsed settings; returns after a drained shutdown."""
     data_dir = Path(args.data_dir)
     backend = make_backend(args.backend, vars(args))
-    directory = JobDirectory(args.scheduler_address)
+    directory = JobDirectory(args.scheduler_address, client)
     servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend)
-    server = Server(args.host, args.port)
+    server = Server(args.host, args.port, security=security)
     server.add(log_service_pb2_grpc.add_LogServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await server.start()

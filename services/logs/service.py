@@ -2,7 +2,8 @@
 
 - ReadLogs serves a task's logs (stored, live, or both) or the job's controller
   log; with `follow` it streams until the job is over. Jobs are looked up in the
-  scheduler (the `JobDirectory`): this service owns logs, never job state.
+  scheduler (the `JobDirectory`): this service owns logs, never job state. Only
+  the job's owner and admins may read them (`current_principal()`).
 - FetchTaskLogs copies a task's logs off its cluster into the store; replicas call
   it right before a teardown, once per cluster, so a recovered task keeps the
   logs of every cluster it ran on.
@@ -23,6 +24,7 @@ import grpc
 
 from managedjobs.v1 import job_pb2, log_service_pb2, log_service_pb2_grpc
 from services.backends.base import Backend, BackendUnreachableError, ClusterHandle
+from services.common.access import current_principal, require_owner
 from services.common.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -81,7 +83,8 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
         job_id = request.job_id
         job = await self._directory.get_job(job_id)
         if job is None:
-            raise NotFound(f"job {job_id} not found", job_id=str(job_id))
+            raise NotFound(f"job {job_id} not found", reason="JOB_NOT_FOUND", job_id=str(job_id))
+        require_owner(current_principal(), job.user, f"job {job_id}")
         if request.controller:
             for chunk in read_controller_log(self._store, job_id, request.tail_lines):
                 yield _response(job_id, 0, chunk)
@@ -106,7 +109,10 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
         try:
             job = await tracker.start()
             if job is None:
-                raise NotFound(f"job {job_id} not found", job_id=str(job_id))
+                raise NotFound(
+                    f"job {job_id} not found", reason="JOB_NOT_FOUND", job_id=str(job_id)
+                )
+            require_owner(current_principal(), job.user, f"job {job_id}")
             if request.controller:
                 async for chunk in follow_controller_log(self._store, tracker, request.tail_lines):
                     yield _response(job_id, 0, chunk)

@@ -8,20 +8,22 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
-from services.common.bounds import MAX_INT64, BoundsError, check_pool, check_user
+from services.common.access import current_principal, require_owner, require_user
+from services.common.bounds import MAX_INT64, BoundsError, check_pool, check_user, quote
 from services.common.errors import InvalidArgument, NotFound, rpc_errors
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.events import EventBus
 from services.scheduler.intake import Intake
+from services.scheduler.ownership import OwnedJobs
 from services.scheduler.spec import SpecError, parse_job_spec
 from services.scheduler.store import NewJob, Store
 
@@ -47,7 +49,10 @@ def _parse_page_token(token: str) -> int:
             raise ValueError(text)
         return int(value)
     except (ValueError, binascii.Error, UnicodeDecodeError):
-        raise InvalidArgument("page_token: not a token this server issued") from None
+        raise InvalidArgument(
+            f"page_token: {quote(token)} is not a token this server issued",
+            reason="PAGE_TOKEN_INVALID",
+        ) from None
 
 
 def _user(user: str, field: str = "user") -> str:
@@ -80,6 +85,8 @@ class SentEvents:
 
 
 class JobApi(job_service_pb2_grpc.JobServiceServicer):
+    """The client API; every job a caller names must exist and be theirs (or they admin)."""
+
     def __init__(self, store: Store, bus: EventBus, admission: Admission, cancels: Cancels) -> None:
         self.store = store
         self.bus = bus
@@ -88,7 +95,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         self.intake = Intake(store)
 
     def _new_job(self, request: pb.SubmitJobRequest, prefix: str = "") -> NewJob:
-        """The validated job of a submission; errors name the field (under `prefix`).
+        """The validated job of a submission, owned by the caller; errors name the field
+        (under `prefix`).
 
         Raises:
             InvalidArgument: the submission can never run; nothing is stored.
@@ -99,7 +107,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             )
         if len(request.idempotency_key) > MAX_KEY_CHARS:
             raise InvalidArgument(f"{prefix}idempotency_key: at most {MAX_KEY_CHARS} characters")
-        user = _user(request.user, f"{prefix}user")
+        principal = current_principal()
+        user = _user(require_user(principal, request.user) or principal.user, f"{prefix}user")
         try:
             check_pool(request.pool, f"{prefix}pool")
             spec = parse_job_spec(
@@ -112,7 +121,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         except BoundsError as error:
             field = prefix + error.field if isinstance(error, SpecError) else error.field
             message = f"{prefix}{error}" if isinstance(error, SpecError) else str(error)
-            raise InvalidArgument(message, field=field) from None
+            reason = "SPEC_INVALID" if isinstance(error, SpecError) else "ARGUMENT_INVALID"
+            raise InvalidArgument(message, reason=reason, field=field) from None
         return NewJob(
             name=spec.name,
             user=user,
@@ -123,6 +133,17 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             secrets=spec.secrets,
             timeouts=spec.timeouts if spec.timeouts.ListFields() else None,
         )
+
+    async def _owned(self, job_ids: Sequence[int]) -> None:
+        """Raises NotFound for ids that name no job, PermissionDenied for another's job."""
+        owners = await self.store.job_owners(job_ids)
+        missing = sorted(set(job_ids) - set(owners))
+        if missing:
+            shown = ", ".join(map(str, missing[:20]))
+            raise NotFound(f"job_ids: no job {shown}", reason="JOB_NOT_FOUND", job_ids=shown)
+        principal = current_principal()
+        for job_id, owner in owners.items():
+            require_owner(principal, owner, f"job {job_id}")
 
     @rpc_errors
     async def SubmitJob(
@@ -151,7 +172,12 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("job_id: must be positive")
         job = await self.store.get_job(request.job_id)
         if job is None:
-            raise NotFound(f"job {request.job_id} does not exist", job_id=str(request.job_id))
+            raise NotFound(
+                f"job {request.job_id} does not exist",
+                reason="JOB_NOT_FOUND",
+                job_id=str(request.job_id),
+            )
+        require_owner(current_principal(), job.user, f"job {job.job_id}")
         if job.schedule_state == ScheduleState.WAITING:
             ahead = await self.store.ahead_of(job.job_id, job.priority)
             job.wait_reason = (
@@ -178,7 +204,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 raise InvalidArgument(f"statuses: unknown status {value}") from None
         jobs = await self.store.list_jobs(
             statuses,
-            user=request.user,
+            user=require_user(current_principal(), request.user),
             name=request.name,
             limit=size + 1,
             before_id=_parse_page_token(request.page_token),
@@ -193,17 +219,13 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         ways = sum([bool(request.job_ids), bool(request.name), request.all])
         if ways != 1:
             raise InvalidArgument("give exactly one of job_ids, name or all")
-        if request.all and not request.user:
+        principal = current_principal()
+        user = require_user(principal, request.user)
+        if request.all and not user:
             raise InvalidArgument("user: required with all")
         if request.job_ids:
-            wanted = set(request.job_ids)
-            missing = sorted(wanted - set(await self.store.job_owners(wanted)))
-            if missing:
-                raise NotFound(
-                    f"job_ids: no job {', '.join(map(str, missing[:20]))}",
-                    job_ids=",".join(map(str, missing[:20])),
-                )
-        targets = Targets(job_ids=sorted(request.job_ids), name=request.name, user=request.user)
+            await self._owned(request.job_ids)
+        targets = Targets(job_ids=sorted(request.job_ids), name=request.name, user=user)
         cancelled = await self.cancels.cancel(targets)
         return pb.CancelJobsResponse(cancelled_job_ids=cancelled)
 
@@ -214,10 +236,13 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         if request.after_event_id < 0:
             raise InvalidArgument("after_event_id: must not be negative")
         job_ids = list(request.job_ids)
+        principal = current_principal()
         if job_ids:
-            missing = sorted(set(job_ids) - set(await self.store.job_owners(job_ids)))
-            if missing:
-                raise NotFound(f"job_ids: no job {', '.join(map(str, missing[:20]))}")
+            await self._owned(job_ids)
+        # A user's watch of every job shows their own jobs only.
+        owned = None
+        if not job_ids and not principal.sees_every_job:
+            owned = OwnedJobs(self.store, principal.user)
         subscription = self.bus.subscribe(job_ids)
         try:
             # Transactions commit in id order but may publish out of it, so the live
@@ -225,7 +250,9 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             sent = SentEvents()
             last = request.after_event_id
             while True:
-                backlog = await self.store.events_after(last, job_ids)
+                backlog = await self.store.events_after(
+                    last, job_ids, user=owned.user if owned else ""
+                )
                 for event in backlog:
                     sent.add(event.event_id)
                     yield pb.WatchJobsResponse(event=event)
@@ -235,6 +262,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             while True:
                 event = await subscription.next()
                 if event.event_id <= request.after_event_id or not sent.add(event.event_id):
+                    continue
+                if owned is not None and not await owned.owns(event.job_id):
                     continue
                 yield pb.WatchJobsResponse(event=event)
         finally:

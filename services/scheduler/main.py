@@ -22,6 +22,7 @@ from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from services.common import logs, settings
+from services.common.edge import ServerSecurity, server_security
 from services.common.errors import register_translator
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
@@ -91,6 +92,7 @@ SETTINGS = (
         "seconds between checks of the admission counters against a recount",
         float,
     ),
+    *settings.SERVER_SECURITY,
     METRICS_PORT,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
@@ -104,6 +106,8 @@ class SchedulerApp:
         self,
         database_url: str,
         limits: Limits,
+        *,
+        security: ServerSecurity,
         host: str = "127.0.0.1",
         port: int = 0,
         lease_ttl: float = 10.0,
@@ -134,7 +138,7 @@ class SchedulerApp:
         self.reconcile_interval = reconcile_interval
         self._reconcile_now = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
-        self.server = Server(host, port)
+        self.server = Server(host, port, security=security)
         self.server.add(
             job_service_pb2_grpc.add_JobServiceServicer_to_server,
             JobApi(self.store, self.bus, self.admission, Cancels(self.store, self.outbox)),
@@ -204,7 +208,7 @@ class SchedulerApp:
         await self.db.close()
 
 
-async def serve(a: argparse.Namespace) -> None:
+async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
     app = SchedulerApp(
         a.database_url or default_url(a.data_dir),
         Limits(
@@ -213,6 +217,7 @@ async def serve(a: argparse.Namespace) -> None:
             replica_launches=a.replica_max_launches,
             replica_jobs=a.replica_max_jobs,
         ),
+        security=security,
         host=a.host,
         port=a.port,
         lease_ttl=a.lease_ttl,
@@ -232,7 +237,8 @@ async def serve(a: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-scheduler", __doc__ or "", SETTINGS, argv)
     logs.setup("scheduler", args.log_level)
-    asyncio.run(serve(args))
+    security = server_security("mj-scheduler", vars(args))
+    asyncio.run(serve(args, security))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,11 @@ CORRECTIONS = Counter(
     "mj_counter_corrections_total", "Admission counter differences found by a recount, and fixed"
 )
 LEASES_EXPIRED = Counter("mj_leases_expired_total", "Replica leases that ran out")
+HELLOS_REFUSED = Counter(
+    "mj_hellos_refused_total",
+    "Replica hellos refused (wrong controller id, second stream)",
+    ["reason"],
+)
 SUBMIT_TO_GRANT = Histogram(
     "mj_submit_to_grant_seconds", "From submission to the launch grant", buckets=SECONDS
 )
@@ -129,6 +134,10 @@ def corrected(count: int) -> None:
 
 def lease_expired() -> None:
     LEASES_EXPIRED.inc()
+
+
+def hello_refused(reason: str) -> None:
+    HELLOS_REFUSED.labels(reason).inc()
 
 
 def statuses(counts: dict[JobStatus, int]) -> None:

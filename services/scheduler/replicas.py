@@ -6,6 +6,12 @@ When the stream breaks, the lease runs out TTL seconds after the last message,
 and the replica's jobs move to other replicas with the next epoch. A watchdog
 task per replica sleeps until the lease deadline; nothing polls.
 
+Who may hold a stream: the hello must name the controller id the caller's token is
+bound to (and, under mTLS, its certificate), and a replica id already holding a
+live stream (heard from within two heartbeats) is refused rather than taken
+over; both refusals are counted. A replica whose stream broke reconnects once
+the scheduler has stopped hearing from the old one.
+
 Reports are applied in batches (`reports.py`): whatever a replica sent while
 the previous batch was being committed goes in the next one, in order. A report
 with a stale epoch is refused (and counted) and its job revoked on that replica,
@@ -30,7 +36,15 @@ import grpc
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
-from services.common.errors import FailedPrecondition, rpc_errors
+from services.common.access import current_principal, require_controller
+from services.common.bounds import BoundsError, check_controller_id
+from services.common.errors import (
+    AlreadyExists,
+    ApiError,
+    FailedPrecondition,
+    InvalidArgument,
+    rpc_errors,
+)
 from services.common.statuses import ScheduleState
 from services.scheduler import metrics
 from services.scheduler.admission import Admission
@@ -51,6 +65,8 @@ class Lease:
     controller_id: str
     address: str = ""
     deadline: float = 0.0
+    # When the current stream last carried a message (monotonic seconds).
+    heard: float = 0.0
     connected: bool = False
     draining: bool = False
     watchdog: asyncio.Task[None] | None = None
@@ -79,6 +95,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self.clock = clock
         self.leases: dict[str, Lease] = {}
         self.expired: list[tuple[str, float]] = []
+        # Hellos refused: a controller id not bound to the caller, or already streaming.
+        self.refused_hellos = 0
 
     # --- leases ----------------------------------------------------------------------------
 
@@ -100,7 +118,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         return lease
 
     def _renew(self, lease: Lease) -> None:
-        lease.deadline = self.clock() + self.lease_ttl
+        lease.heard = self.clock()
+        lease.deadline = lease.heard + self.lease_ttl
 
     async def _watch_lease(self, lease: Lease) -> None:
         while True:
@@ -157,6 +176,20 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         if not hello.controller_id:
             raise FailedPrecondition("hello.controller_id is required")
         cid = hello.controller_id
+        try:
+            try:
+                check_controller_id(cid, "hello.controller_id")
+            except BoundsError as bad:
+                raise InvalidArgument(str(bad), field=bad.field) from None
+            require_controller(current_principal(), cid)
+            self._refuse_a_second_stream(cid)
+        except ApiError as refused:
+            self.refused_hellos += 1
+            metrics.hello_refused(refused.reason)
+            log.warning(
+                "hello refused", extra={"controller_id": cid[:64], "reason": refused.reason}
+            )
+            raise
         lease = self._lease(cid)
         # A reconnect replaces the previous stream of the same replica.
         stream = self.outbox.attach(cid)
@@ -191,6 +224,18 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 self.outbox.detach(cid, stream)
                 self.admission.draining(cid)  # no new work until it reconnects
             log.info("replica stream closed", extra={"controller_id": cid})
+
+    def _refuse_a_second_stream(self, controller_id: str) -> None:
+        """Raises AlreadyExists while the replica's current stream is alive (heard lately)."""
+        lease = self.leases.get(controller_id)
+        if lease is None or not lease.connected:
+            return
+        if self.clock() - lease.heard < 2 * self.heartbeat_interval:
+            raise AlreadyExists(
+                f"controller {controller_id} already has a live stream; a replica whose "
+                "stream broke is taken back once the old stream falls silent",
+                reason="STREAM_ALREADY_OPEN",
+            )
 
     async def _reconcile(self, stream: Stream, hello: pb.ControllerHello) -> None:
         """The database is the only truth: revoke what the replica should not hold,
@@ -272,7 +317,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 else:
                     work.append(request)
                     queued.set()
-        except (asyncio.CancelledError, grpc.aio.AioRpcError):
+        except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.AbortError):
             raise
         except Exception:
             log.exception("replica stream failed", extra={"controller_id": lease.controller_id})
@@ -329,6 +374,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
     ) -> pb.GetSchedulerStateResponse:
         state = self.admission.state()
         state.stale_reports = self.reports.refused_stale
+        state.refused_hellos = self.refused_hellos
         state.invalid_reports = self.reports.refused_invalid
         state.database_reachable = self.health.ok
         counters = self.admission.counters

@@ -4,7 +4,9 @@ Serves SimCloudService (what the `sim` backend calls) and SimOperatorService
 (chaos and inventory for tests and demos), with health and reflection, on one
 port (default 50071). The cloud is the config at `--config`, or a built-in
 three-region cloud; `--seed` and `--time-scale` override the config's.
-SIGTERM stops it; the cloud's state lives in memory only, as in a test double.
+SIGTERM stops it; the cloud's state lives in memory only, as in a test double
+(the data dir only holds the tokens file, as for every service: the cloud API
+wants a controller, admin or service token, the operator API an admin's).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 from collections.abc import Sequence
 
 from services.common import logs, settings
+from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import run_until_signal
 from services.common.settings import Setting
@@ -42,14 +45,16 @@ SETTINGS = (
         "simulated seconds per real second (default: the config's)",
         float,
     ),
+    settings.DATA_DIR,
+    *settings.SERVER_SECURITY,
     METRICS_PORT,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
 
 
-async def serve(args: argparse.Namespace, config: CloudConfig) -> None:
-    running = await start(config, args.host, args.port)
+async def serve(args: argparse.Namespace, config: CloudConfig, security: ServerSecurity) -> None:
+    running = await start(config, args.host, args.port, security=security)
     serve_metrics(args.metrics_port, args.host)
     log.info(
         "simcloud serving",
@@ -76,7 +81,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         config = load_config(args.config).with_overrides(args.seed, args.time_scale)
     except ConfigError as exc:
         raise SystemExit(f"mj-simcloud: {exc}") from None
-    asyncio.run(serve(args, config))
+    security = server_security("mj-simcloud", vars(args))
+    asyncio.run(serve(args, config, security))
 
 
 if __name__ == "__main__":

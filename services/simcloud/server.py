@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
+from services.common.edge import ServerSecurity
 from services.common.server import Server
 from services.simcloud.clock import Clock
 from services.simcloud.cloud import Cloud
@@ -42,11 +43,16 @@ class RunningCloud:
 
 
 async def start(
-    config: CloudConfig, host: str = "127.0.0.1", port: int = 0, clock: Clock | None = None
+    config: CloudConfig,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    clock: Clock | None = None,
+    *,
+    security: ServerSecurity,
 ) -> RunningCloud:
     """Starts a cloud and its gRPC server (in this process; tests use port 0)."""
     cloud = Cloud(config, clock)
-    server = Server(host, port)
+    server = Server(host, port, security=security)
     server.add(
         pb_grpc.add_SimCloudServiceServicer_to_server, SimCloudServicer(cloud), CLOUD_SERVICE
     )

@@ -1,0 +1,212 @@
+"""The auth matrix (SPEC §16), generated from the one policy table.
+
+Every RPC of every service (scheduler, a controller replica, logs, sim cloud; real
+servers in this process) x every caller (no token, unknown token, user, other user,
+admin, controller, service) x {plaintext, TLS with mTLS}: the expected status of
+each cell follows from `access.POLICY` alone, and every cell is asserted.
+
+- no token, unknown token: UNAUTHENTICATED;
+- a role the table does not list for the method: PERMISSION_DENIED;
+- a listed role: anything but those two, with a minimal valid request. The
+  requests name job 1, which belongs to the "user" caller (alice), so the "other
+  user" (bob) gets PERMISSION_DENIED from the per-object rules of the methods
+  that act on a given job (`OWNED_BY_USER`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from google.protobuf import descriptor_pool, message, message_factory, timestamp_pb2
+from identities import CALLERS, REGISTERED, Identities, make_identities
+from inprocess import System, running_system
+
+from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
+from managedjobs.v1 import (
+    controller_service_pb2,
+    job_service_pb2,
+    log_service_pb2,
+    scheduler_service_pb2,
+)
+from services.common.access import POLICY, Rule, render_policy, service_of
+from services.common.channels import open_channel
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB_SPEC = "name: matrix\nrun: echo hi\n"
+
+# A minimal valid request per method; job 1 is alice's.
+REQUESTS: dict[str, message.Message] = {
+    "/managedjobs.v1.JobService/SubmitJob": job_service_pb2.SubmitJobRequest(spec_yaml=JOB_SPEC),
+    "/managedjobs.v1.JobService/SubmitJobs": job_service_pb2.SubmitJobsRequest(
+        jobs=[job_service_pb2.SubmitJobRequest(spec_yaml=JOB_SPEC)]
+    ),
+    "/managedjobs.v1.JobService/GetJob": job_service_pb2.GetJobRequest(job_id=1),
+    "/managedjobs.v1.JobService/ListJobs": job_service_pb2.ListJobsRequest(),
+    "/managedjobs.v1.JobService/CancelJobs": job_service_pb2.CancelJobsRequest(job_ids=[1]),
+    "/managedjobs.v1.JobService/WatchJobs": job_service_pb2.WatchJobsRequest(job_ids=[1]),
+    "/managedjobs.v1.SchedulerService/ConnectController": (
+        scheduler_service_pb2.ConnectControllerRequest(
+            seq=1,
+            hello=scheduler_service_pb2.ControllerHello(
+                controller_id="controller-1",
+                capacity=scheduler_service_pb2.Capacity(max_launches=1, max_jobs=1),
+            ),
+        )
+    ),
+    "/managedjobs.v1.SchedulerService/GetSchedulerState": (
+        scheduler_service_pb2.GetSchedulerStateRequest()
+    ),
+    "/managedjobs.v1.ControllerService/GetControllerState": (
+        controller_service_pb2.GetControllerStateRequest()
+    ),
+    "/managedjobs.v1.LogService/ReadLogs": log_service_pb2.ReadLogsRequest(
+        job_id=1, controller=True
+    ),
+    "/managedjobs.v1.LogService/FetchTaskLogs": log_service_pb2.FetchTaskLogsRequest(
+        job_id=1, task_id=0, cluster_name="mj-1-0"
+    ),
+    "/managedjobs.v1.LogService/AppendControllerLogs": log_service_pb2.AppendControllerLogsRequest(
+        lines=[log_service_pb2.ControllerLogLine(job_id=1, line="matrix\n")]
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/Launch": spb.LaunchRequest(
+        cluster_name="matrix", job_id=1, epoch=1
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/GetCluster": spb.GetClusterRequest(
+        cluster_name="matrix"
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/Terminate": spb.TerminateRequest(
+        cluster_name="nothing", epoch=1
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/NotifyPreemption": spb.NotifyPreemptionRequest(
+        cluster_name="nothing", epoch=1, deadline=timestamp_pb2.Timestamp(seconds=2_000_000_000)
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/GetClusters": spb.GetClustersRequest(
+        cluster_names=["matrix"]
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/ReadLogs": spb.ReadLogsRequest(cluster_name="matrix"),
+    "/managedjobs.simcloud.v1.SimCloudService/WatchEvents": spb.WatchEventsRequest(),
+    "/managedjobs.simcloud.v1.SimCloudService/ListRegions": spb.ListRegionsRequest(),
+    "/managedjobs.simcloud.v1.SimOperatorService/PreemptCluster": spb.PreemptClusterRequest(
+        cluster_name="nothing"
+    ),
+    "/managedjobs.simcloud.v1.SimOperatorService/PreemptRegion": spb.PreemptRegionRequest(
+        region="nowhere"
+    ),
+    "/managedjobs.simcloud.v1.SimOperatorService/SetCapacity": spb.SetCapacityRequest(
+        region="nowhere"
+    ),
+    "/managedjobs.simcloud.v1.SimOperatorService/InjectFaults": spb.InjectFaultsRequest(),
+    "/managedjobs.simcloud.v1.SimOperatorService/ResetFaults": spb.ResetFaultsRequest(),
+    "/managedjobs.simcloud.v1.SimOperatorService/ListInventory": spb.ListInventoryRequest(),
+    "/managedjobs.simcloud.v1.SimOperatorService/GetCloudState": spb.GetCloudStateRequest(),
+}
+OWNED_BY_USER = {
+    "/managedjobs.v1.JobService/GetJob",
+    "/managedjobs.v1.JobService/CancelJobs",
+    "/managedjobs.v1.JobService/WatchJobs",
+    "/managedjobs.v1.LogService/ReadLogs",
+}
+DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+ALLOWED = "allowed"
+
+
+def expected(method: str, rule: Rule, caller: str) -> grpc.StatusCode | str:
+    if caller not in REGISTERED:
+        return grpc.StatusCode.UNAUTHENTICATED
+    role = REGISTERED[caller][1]
+    if role not in rule.roles:
+        return grpc.StatusCode.PERMISSION_DENIED
+    if caller == "other user" and method in OWNED_BY_USER:
+        return grpc.StatusCode.PERMISSION_DENIED
+    return ALLOWED
+
+
+def method_descriptor(method: str) -> Any:
+    service, name = method.strip("/").split("/")
+    return descriptor_pool.Default().FindServiceByName(service).methods_by_name[name]
+
+
+async def call(channel: grpc.aio.Channel, method: str, request: message.Message) -> grpc.StatusCode:
+    """Calls `method`; the status it ended with (a stream: after its first message)."""
+    desc = method_descriptor(method)
+    reply = message_factory.GetMessageClass(desc.output_type)
+    encode, decode = type(request).SerializeToString, reply.FromString
+    try:
+        if desc.client_streaming:
+
+            async def one() -> AsyncIterator[message.Message]:
+                yield request
+
+            stream = channel.stream_stream(method, encode, decode)(one(), timeout=10)
+            await stream.read()
+            stream.cancel()
+        elif desc.server_streaming:
+            responses = channel.unary_stream(method, encode, decode)(request, timeout=10)
+            await responses.read()
+            responses.cancel()
+        else:
+            await channel.unary_unary(method, encode, decode)(request, timeout=10)
+    except grpc.aio.AioRpcError as error:
+        return error.code()
+    return grpc.StatusCode.OK
+
+
+def test_the_table_covers_every_rpc_of_every_service() -> None:
+    services = {service_of(m) for m in POLICY}
+    pool = descriptor_pool.Default()
+    declared = {
+        f"/{name}/{m.name}" for name in services for m in pool.FindServiceByName(name).methods
+    }
+    assert declared == set(POLICY) == set(REQUESTS)
+    assert services == {
+        "managedjobs.v1.JobService",
+        "managedjobs.v1.SchedulerService",
+        "managedjobs.v1.ControllerService",
+        "managedjobs.v1.LogService",
+        "managedjobs.simcloud.v1.SimCloudService",
+        "managedjobs.simcloud.v1.SimOperatorService",
+    }
+
+
+def test_docs_carry_the_policy_table() -> None:
+    assert render_policy() in (ROOT / "docs" / "security.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory: pytest.TempPathFactory) -> Identities:
+    return make_identities(tmp_path_factory.mktemp("identities"))
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+async def test_every_cell_of_the_auth_matrix(ids: Identities, tls: bool, tmp_path: Path) -> None:
+    async with running_system(ids, tls, tmp_path) as system:
+        await own_job_1(system, ids, tls)
+        mismatches = []
+        cells = 0
+        for method, rule in POLICY.items():
+            for caller in CALLERS:
+                want = expected(method, rule, caller)
+                async with open_channel(
+                    system.address(service_of(method)), ids.client(caller, tls)
+                ) as channel:
+                    got = await call(channel, method, REQUESTS[method])
+                cells += 1
+                ok = got not in DENIED if want == ALLOWED else got == want
+                if not ok:
+                    mismatches.append(f"{method} as {caller}: want {want}, got {got.name}")
+    assert cells == len(POLICY) * len(CALLERS)
+    assert mismatches == []
+
+
+async def own_job_1(system: System, ids: Identities, tls: bool) -> None:
+    """Job 1 is alice's (the "user" caller's), submitted by herself."""
+    async with open_channel(system.scheduler, ids.client("user", tls)) as channel:
+        method = "/managedjobs.v1.JobService/SubmitJob"
+        encode = job_service_pb2.SubmitJobRequest.SerializeToString
+        submit = channel.unary_unary(method, encode, job_service_pb2.SubmitJobResponse.FromString)
+        reply = await submit(job_service_pb2.SubmitJobRequest(spec_yaml=JOB_SPEC), timeout=10)
+    assert reply.job_id == 1
