@@ -20,13 +20,14 @@ from services.simcloud.main import SETTINGS as SIMCLOUD
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCEPTED: dict[str, tuple[Setting, ...]] = {
+    "mj-simcloud": SIMCLOUD,
     "mj-scheduler": SCHEDULER,
     "mj-controller": CONTROLLER,
     "mj-logs": LOGS,
     "mj-certs": CERTS,
     "mj-tokens": TOKENS,
 }
-SERVERS = {"mj-scheduler", "mj-controller", "mj-logs"}
+SERVERS = {"mj-scheduler", "mj-controller", "mj-logs", "mj-simcloud"}
 CLIENTS = {"mj-controller", "mj-logs"}
 
 
@@ -46,7 +47,7 @@ def test_compose_runs_the_topology() -> None:
     commands = [s["command"][0] for s in services.values() if "command" in s]
     assert sorted(commands) == sorted(
         ["mj-certs", "mj-tokens", "mj-scheduler", "mj-controller", "mj-controller",
-         "mj-controller", "mj-logs"]
+         "mj-controller", "mj-logs", "mj-simcloud"]
     )  # fmt: skip
     assert "postgres" in services
     scheduler_env = services["scheduler"]["environment"]
@@ -126,3 +127,35 @@ def test_dockerfile_installs_the_package_with_its_generated_code() -> None:
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "COPY gen" in dockerfile and "COPY services" in dockerfile
     assert "pip install" in dockerfile
+
+
+# Backends whose clusters every process reaches over the network; `local` clusters are
+# processes of one host, which separate containers cannot see.
+SHARED_BACKENDS = {"sim", "ssh"}
+
+
+def test_every_replica_and_the_logs_service_see_the_same_clusters() -> None:
+    """A job moved to another replica must find its cluster alive, not DOWN: every
+    process that reads clusters uses one backend they all reach, the same one."""
+    readers = {**by_command("mj-controller"), **by_command("mj-logs")}
+    backends = {name: s["environment"].get("MJ_BACKEND", "local") for name, s in readers.items()}
+    assert set(backends.values()) <= SHARED_BACKENDS, backends
+    assert len(set(backends.values())) == 1, backends
+    if set(backends.values()) == {"sim"}:
+        [(cloud_name, cloud)] = by_command("mj-simcloud").items()
+        port = cloud["environment"]["MJ_SIMCLOUD_PORT"]
+        for name, service in readers.items():
+            assert service["environment"]["MJ_SIMCLOUD_ADDRESS"] == f"{cloud_name}:{port}", name
+            assert cloud_name in service["depends_on"], name
+        certs = next(iter(by_command("mj-certs").values()))["environment"]
+        assert cloud_name in certs["MJ_CERTS_HOSTS"].split(",")
+    # No process keeps clusters in a volume another container mounts as its own.
+    for name, service in readers.items():
+        assert not any(v.split(":")[0] == "clusters" for v in service.get("volumes", [])), name
+
+
+def test_the_sim_cloud_config_is_in_the_image() -> None:
+    [cloud] = by_command("mj-simcloud").values()
+    config = cloud["environment"]["MJ_SIMCLOUD_CONFIG"]
+    assert config.startswith("/app/") and (ROOT / config.removeprefix("/app/")).is_file()
+    assert "COPY examples" in (ROOT / "Dockerfile").read_text()
