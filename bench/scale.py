@@ -50,9 +50,9 @@ from managedjobs.v1 import job_service_pb2 as jpb
 from services.stack import Stack
 
 
-async def submit_all(address: str, jobs: int, concurrency: int, batch: int) -> float:
+async def submit_all(stack: Stack, jobs: int, concurrency: int, batch: int) -> float:
     """Submits `jobs` jobs from `concurrency` callers, `batch` per call; returns the seconds."""
-    async with channel(address) as chan:
+    async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         counter = iter(range(0, jobs, batch))
 
@@ -73,12 +73,12 @@ async def submit_all(address: str, jobs: int, concurrency: int, batch: int) -> f
 
 
 async def watch_until_running(
-    address: str, jobs: int, timeout: float, after: int = 0
+    stack: Stack, jobs: int, timeout: float, after: int = 0
 ) -> dict[int, dict[str, float]]:
     """Event times per job (submitted, starting, running) until `jobs` jobs are RUNNING."""
     times: dict[int, dict[str, float]] = {}
     running = 0
-    async with channel(address) as chan:
+    async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         stream = stub.WatchJobs(jpb.WatchJobsRequest(after_event_id=after), timeout=timeout)
         async for response in stream:
@@ -115,11 +115,9 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         before_cpu = {name: cpu_seconds(p) for name, p in procs.items()}
         loop = asyncio.new_event_loop()
         start = time.time()
-        watch = loop.create_task(
-            watch_until_running(stack.scheduler_address, args.jobs, args.timeout)
-        )
+        watch = loop.create_task(watch_until_running(stack, args.jobs, args.timeout))
         submit_seconds = loop.run_until_complete(
-            submit_all(stack.scheduler_address, args.jobs, args.concurrency, args.batch)
+            submit_all(stack, args.jobs, args.concurrency, args.batch)
         )
         times = loop.run_until_complete(watch)
         all_running = max(t["running"] for t in times.values()) - start
@@ -157,9 +155,9 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
     }
 
 
-async def held_by(address: str, controller_id: str) -> set[int]:
+async def held_by(stack: Stack, controller_id: str) -> set[int]:
     """Ids of the jobs the replica holds, read page by page."""
-    async with channel(address) as chan:
+    async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         ids: set[int] = set()
         request = jpb.ListJobsRequest(page_size=1000)
@@ -171,10 +169,10 @@ async def held_by(address: str, controller_id: str) -> set[int]:
             request.page_token = reply.next_page_token
 
 
-async def running_again(address: str, ids: set[int], since: float, timeout: float) -> float:
+async def running_again(stack: Stack, ids: set[int], since: float, timeout: float) -> float:
     """When the last of `ids` reported RUNNING after `since` (Unix seconds)."""
     waiting, last = set(ids), since
-    async with channel(address) as chan:
+    async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         stream = stub.WatchJobs(jpb.WatchJobsRequest(job_ids=sorted(ids)), timeout=timeout)
         async for response in stream:
@@ -192,10 +190,10 @@ async def running_again(address: str, ids: set[int], since: float, timeout: floa
 def drain(stack: Stack, loop: asyncio.AbstractEventLoop, timeout: float) -> dict[str, float]:
     """SIGTERM to the first replica: seconds to drain, and until its jobs run elsewhere."""
     victim = stack.controllers[0]
-    ids = loop.run_until_complete(held_by(stack.scheduler_address, victim.name))
+    ids = loop.run_until_complete(held_by(stack, victim.name))
     start = time.time()
     victim.signal(signal.SIGTERM)
-    again = loop.create_task(running_again(stack.scheduler_address, ids, start, timeout))
+    again = loop.create_task(running_again(stack, ids, start, timeout))
     assert victim.process is not None
     victim.process.wait(120)
     drained = time.time() - start

@@ -17,6 +17,7 @@ from pathlib import Path
 import grpc
 import psutil
 
+from services.common.channels import open_channel
 from services.stack import Stack
 
 # One big region, no launch latency, tasks that run until cancelled.
@@ -28,7 +29,7 @@ max_cpus: 64
 regions:
   - {name: us-east-1, zones: [us-east-1a], spot_nodes: 10000000, on_demand_nodes: 10000000}
 """
-LONG_SPEC = "name: bench\nrun: train\nsim: {runtime_seconds: 100000000}\n"
+LONG_SPEC = "name: bench\nrun: train\nsim: {runtime_seconds: 30000000}\n"
 # A pushing backend: replicas never poll; launches are checked quickly.
 CONTROLLER_ARGS = ["--poll-interval", "3600", "--start-check-interval", "0.05"]
 CONTROLLER_ARGS += ["--log-level", "WARNING"]
@@ -41,6 +42,7 @@ def running_system(
     database_url: str = "",
     scheduler_args: Sequence[str] = (),
     controller_args: Sequence[str] = (),
+    tls: bool = False,
 ) -> Iterator[Stack]:
     config = data_dir / "simcloud.yaml"
     config.write_text(CLOUD)
@@ -51,6 +53,7 @@ def running_system(
         scheduler_args=["--log-level", "WARNING", *scheduler_args],
         controller_args=[*CONTROLLER_ARGS, *controller_args],
         simcloud_args=["--config", str(config), "--log-level", "WARNING"],
+        tls=tls,
     )
     stack.start(timeout=60)
     try:
@@ -59,11 +62,9 @@ def running_system(
         stack.stop()
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    """An asyncio channel to a service of the system."""
-    return grpc.aio.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", 1 << 26)]
-    )
+def channel(stack: Stack, address: str) -> grpc.aio.Channel:
+    """An asyncio channel to a service of the system, as its admin (token, TLS if on)."""
+    return open_channel(address, stack.client_security)
 
 
 def processes(stack: Stack) -> dict[str, psutil.Process]:

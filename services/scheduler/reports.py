@@ -14,7 +14,9 @@ jobs costs one commit. Each report is judged on its own inside the batch:
 
 Every status change costs O(1) in the length of the chain: the job row keeps the
 index of its current task, so a transition reads and writes the job, the task,
-and at most the next task.
+and at most the next task. A batch reads every row its reports touch in three
+queries up front (`_prefetch`) and writes them back in one flush, so its cost in
+round trips to the database does not grow with its size.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class Reports:
         """Applies a replica's reports, in order, in one transaction."""
         applied = Applied()
         async with self.store.transaction() as txn:
+            await _prefetch(txn, requests)
             for request in requests:
                 refusal, reason = await self._one(txn, controller_id, request, applied)
                 if refusal == Refusal.STALE:
@@ -150,6 +153,62 @@ class Reports:
         return txn.moves
 
 
+@dataclasses.dataclass
+class Loaded:
+    """Rows a batch read up front, by key; a key looked up and absent is known absent."""
+
+    jobs: dict[int, JobRow | None] = dataclasses.field(default_factory=dict)
+    tasks: dict[tuple[int, int], TaskRow | None] = dataclasses.field(default_factory=dict)
+    attempts: dict[tuple[int, int, int], AttemptRow | None] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+def _loaded(txn: Txn) -> Loaded:
+    loaded = txn.cache.get("reports")
+    if not isinstance(loaded, Loaded):
+        loaded = txn.cache["reports"] = Loaded()
+    return loaded
+
+
+async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -> None:
+    """Loads the jobs, tasks and attempts the batch's reports touch, locking the jobs.
+
+    Later reads of these keys in the transaction need no round trip, found or not.
+    """
+    job_ids: set[int] = set()
+    task_keys: set[tuple[int, int]] = set()
+    attempt_keys: set[tuple[int, int, int]] = set()
+    for request in requests:
+        kind = request.WhichOneof("message")
+        if kind == "transition":
+            t = request.transition
+            job_ids.add(t.job_id)
+            # The task, and the next one in case this one finishes (the job moves on).
+            task_keys |= {(t.job_id, t.task_id), (t.job_id, t.task_id + 1)}
+            if t.attempt > 0:
+                attempt_keys.add((t.job_id, t.task_id, t.attempt))
+        elif kind == "job_finished":
+            job_ids.add(request.job_finished.job_id)
+    if not job_ids:
+        return
+    session = txn.session
+    loaded = _loaded(txn)
+    query = select(JobRow).where(JobRow.id.in_(sorted(job_ids))).with_for_update()
+    found_jobs = {job.id: job for job in await session.scalars(query)}
+    loaded.jobs.update({job_id: found_jobs.get(job_id) for job_id in job_ids})
+    if task_keys:
+        key = tuple_(TaskRow.job_id, TaskRow.task_id)
+        rows = await session.scalars(select(TaskRow).where(key.in_(sorted(task_keys))))
+        found_tasks = {(t.job_id, t.task_id): t for t in rows}
+        loaded.tasks.update({k: found_tasks.get(k) for k in task_keys})
+    if attempt_keys:
+        key3 = tuple_(AttemptRow.job_id, AttemptRow.task_id, AttemptRow.attempt)
+        rows3 = await session.scalars(select(AttemptRow).where(key3.in_(sorted(attempt_keys))))
+        found = {(a.job_id, a.task_id, a.attempt): a for a in rows3}
+        loaded.attempts.update({k: found.get(k) for k in attempt_keys})
+
+
 async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
     """The job's schedule state, if it is assigned to `cid` at `epoch`.
 
@@ -169,13 +228,21 @@ async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState
 
 
 async def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> JobRow:
-    job = await txn.session.get(JobRow, job_id, with_for_update=True)
+    # Locked by `_prefetch` (FOR UPDATE on PostgreSQL) when the batch read it.
+    loaded = _loaded(txn)
+    if job_id in loaded.jobs:
+        job = loaded.jobs[job_id]
+    else:
+        job = await txn.session.get(JobRow, job_id, with_for_update=True)
     if job is None or job.epoch != epoch or job.controller_id != cid:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return job
 
 
 async def _task(txn: Txn, job_id: int, task_id: int) -> TaskRow | None:
+    loaded = _loaded(txn)
+    if (job_id, task_id) in loaded.tasks:
+        return loaded.tasks[(job_id, task_id)]
     return await txn.session.get(TaskRow, (job_id, task_id), with_for_update=True)
 
 
@@ -241,7 +308,11 @@ async def _record_attempt(
 ) -> None:
     """Keeps the attempt's row: opened when it runs, closed with its end and exit code."""
     key = (task.job_id, task.task_id, report.attempt)
-    attempt = await txn.session.get(AttemptRow, key)
+    loaded = _loaded(txn)
+    if key in loaded.attempts:
+        attempt = loaded.attempts[key]
+    else:
+        attempt = await txn.session.get(AttemptRow, key)
     if attempt is None:
         if new != S.RUNNING and not report.HasField("exit_code"):
             return
@@ -255,6 +326,7 @@ async def _record_attempt(
             outcome="",
         )
         txn.session.add(attempt)
+        loaded.attempts[key] = attempt
     if report.HasField("exit_code"):
         attempt.exit_code = report.exit_code
     if new != S.RUNNING and attempt.end_time is None and new not in (S.CANCELLING,):
@@ -301,6 +373,8 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
         )
     )
     for task in sorted(unfinished, key=lambda t: t.task_id):
+        if task.status in TERMINAL:
+            continue  # finished earlier in this batch (the query saw the stored status)
         if task.status in (S.PENDING, S.CANCELLING):
             set_task_status(task, S.CANCELLED)
         else:

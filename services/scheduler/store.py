@@ -133,6 +133,8 @@ class Txn:
     moves: list[Move] = dataclasses.field(default_factory=list)
     # Run once the transaction committed (metrics, messages that depend on the commit).
     after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    # What a writer read up front for the rest of the transaction (e.g. a batch's rows).
+    cache: dict[str, object] = dataclasses.field(default_factory=dict)
 
     def event(
         self,
