@@ -87,6 +87,8 @@ async def watch_until_running(
             at = event.time.ToNanoseconds() / 1e9
             if event.message == "submitted":
                 seen.setdefault("submitted", at)
+            elif event.message.startswith("admitted on "):
+                seen.setdefault("admitted", at)
             elif event.status == job_pb2.JOB_STATUS_STARTING:
                 seen.setdefault("starting", at)
             elif event.status == job_pb2.JOB_STATUS_RUNNING and "running" not in seen:
@@ -132,6 +134,15 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         for t in times.values()
         if "starting" in t and "submitted" in t
     ]
+    stages = {
+        "submit_to_admit": ("submitted", "admitted"),
+        "admit_to_starting": ("admitted", "starting"),
+        "starting_to_running": ("starting", "running"),
+    }
+    breakdown = {
+        name: summary([(t[b] - t[a]) * 1000 for t in times.values() if a in t and b in t], "ms")
+        for name, (a, b) in stages.items()
+    }
     replicas = [n for n in procs if n.startswith("controller")]
     per_job_kb = [
         (loaded_memory[n]["rss_mb"] - before_memory[n]["rss_mb"]) * 1024 * args.replicas / args.jobs
@@ -145,6 +156,7 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         "all_running_s": round(all_running, 2),
         "submissions_per_s": round(args.jobs / submit_seconds, 1),
         "submit_to_launch": summary(to_launch, "ms"),
+        "stages": breakdown,
         "scheduler_cpu_ms_per_job": round(1000 * loaded_cpu["scheduler"] / args.jobs, 2),
         "replica_cpu_ms_per_job": round(1000 * sum(loaded_cpu[n] for n in replicas) / args.jobs, 2),
         "replica_kb_per_job": round(statistics.mean(per_job_kb), 1),

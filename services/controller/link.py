@@ -139,20 +139,46 @@ class Link:
         Raises:
             Rejected: the scheduler answered accepted=false.
         """
+        return await self.post(**message)
+
+    def post(self, **message: Any) -> asyncio.Future[pb.ReportAck]:
+        """Sends a request now (in order with every other) and returns its answer to come.
+
+        Awaiting the answer raises like `call`; a caller may send more before awaiting
+        it, keeping the order of its reports while not waiting a round trip for each.
+        """
         request = self._envelope(**message)
-        future: asyncio.Future[pb.ReportAck] = asyncio.get_running_loop().create_future()
-        self._unacked[request.seq] = (request, future)
+        loop = asyncio.get_running_loop()
+        acked: asyncio.Future[pb.ReportAck] = loop.create_future()
+        self._unacked[request.seq] = (request, acked)
         if self.connected.is_set():
             self._outbox.put_nowait(request)
-        try:
-            ack = await future
-        finally:
+        answer: asyncio.Future[pb.ReportAck] = loop.create_future()
+
+        def settle(done: asyncio.Future[pb.ReportAck]) -> None:
             self._unacked.pop(request.seq, None)
-        if not ack.accepted:
-            if ack.refusal == pb.REPORT_REFUSAL_STALE_EPOCH:
-                raise MovedAway(ack.reason)
-            raise Refused(ack.reason or "refused")
-        return ack
+            if answer.done():
+                return
+            if done.cancelled():
+                answer.cancel()
+                return
+            ack = done.result()
+            if ack.accepted:
+                answer.set_result(ack)
+            elif ack.refusal == pb.REPORT_REFUSAL_STALE_EPOCH:
+                answer.set_exception(MovedAway(ack.reason))
+            else:
+                answer.set_exception(Refused(ack.reason or "refused"))
+
+        def forget(done: asyncio.Future[pb.ReportAck]) -> None:
+            # Whoever posted stopped waiting (the job was stopped): stop resending it too.
+            if done.cancelled() and not acked.done():
+                self._unacked.pop(request.seq, None)
+                acked.cancel()
+
+        acked.add_done_callback(settle)
+        answer.add_done_callback(forget)
+        return answer
 
     def notify(self, **message: Any) -> None:
         """Sends without waiting for an answer (dropped while disconnected)."""

@@ -105,6 +105,8 @@ class JobRunner:
         self.slot = LaunchSlot(self, granted)
         self.cancel = CancelRequest(job.cancel_requested)
         by_task = {s.task_id: dict(s.secrets) for s in secrets}
+        # Answers to reports sent without waiting, checked with the next report.
+        self._unchecked: list[asyncio.Future[pb.ReportAck]] = []
         self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config, by_task)
         self.task: asyncio.Task[None] | None = None
 
@@ -127,6 +129,8 @@ class JobRunner:
         except Rejected as error:
             log.error("job finish refused", extra={"job_id": self.job_id, "reason": str(error)})
         finally:
+            for answer in self._unchecked:
+                answer.cancel()
             self.replica.forget(self)
 
     def request_cancel(self) -> None:
@@ -167,8 +171,21 @@ class JobRunner:
             # Launched: the slot goes back with this report.
             transition.release_slot = True
             self.slot.held = False
-        await self.replica.link.call(transition=transition)
+        answer = self.replica.link.post(transition=transition)
         metrics.transition(status)
+        if status == JobStatus.STARTING:
+            # Nothing waits on the scheduler's answer to STARTING (the launch is fenced by
+            # the lease and the epoch): it is checked with the next report, a round trip
+            # saved on every launch.
+            self._unchecked.append(answer)
+            return
+        await self._checked(answer)
+
+    async def _checked(self, answer: asyncio.Future[pb.ReportAck]) -> None:
+        """Awaits this answer and every earlier one not yet checked, in order."""
+        pending, self._unchecked = [*self._unchecked, answer], []
+        for earlier in pending:
+            await earlier
 
     def note(self, message: str) -> None:
         self.replica.logs.note(self.job_id, message)
