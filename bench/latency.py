@@ -1,0 +1,99 @@
+"""Submit -> first launch under Poisson arrivals, and a single sequential client's submit time.
+
+Starts the whole system (bench/system.py: sim cloud with launch latency 0, one
+replica), then:
+- for each mean gap (0.5 s and 0.05 s by default), submits jobs at Poisson
+  arrival times from one client and measures submit -> first launch (the job's
+  STARTING event) p50/p99;
+- one client submitting one job at a time, each after the previous answer:
+  the SubmitJob round trip p50/p99.
+Targets (SPEC §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
+
+    .venv/bin/python bench/latency.py [--jobs 200] [--gaps 0.5,0.05] [--sequential 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from machine import machine
+from system import LONG_SPEC, channel, running_system, summary
+
+from managedjobs.v1 import job_pb2, job_service_pb2_grpc
+from managedjobs.v1 import job_service_pb2 as jpb
+from services.stack import Stack
+
+
+async def poisson(stack: Stack, jobs: int, gap: float, seed: int) -> dict[str, float]:
+    """Submits `jobs` jobs at Poisson times (mean `gap` s); submit -> STARTING per job."""
+    rng = random.Random(seed)
+    sent: dict[int, float] = {}
+    started: dict[int, float] = {}
+    done = asyncio.Event()
+    async with channel(stack, stack.scheduler_address) as chan:
+        stub = job_service_pb2_grpc.JobServiceStub(chan)
+
+        async def watch() -> None:
+            async for response in stub.WatchJobs(jpb.WatchJobsRequest()):
+                event = response.event
+                if event.status == job_pb2.JOB_STATUS_STARTING and event.job_id not in started:
+                    started[event.job_id] = time.time()
+                    if len(started) >= jobs and len(sent) >= jobs:
+                        done.set()
+                        return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.5)  # the watch is open before the first submission
+        for _ in range(jobs):
+            await asyncio.sleep(rng.expovariate(1.0 / gap))
+            at = time.time()
+            reply = await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
+            sent[reply.job_id] = at
+        await asyncio.wait_for(done.wait(), 120)
+        watcher.cancel()
+    return summary([(started[j] - sent[j]) * 1000 for j in sent if j in started], "ms")
+
+
+async def sequential(stack: Stack, jobs: int) -> dict[str, float]:
+    """One job at a time, each after the previous answer: the SubmitJob round trip."""
+    times = []
+    async with channel(stack, stack.scheduler_address) as chan:
+        stub = job_service_pb2_grpc.JobServiceStub(chan)
+        for _ in range(jobs):
+            start = time.perf_counter()
+            await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
+            times.append((time.perf_counter() - start) * 1000)
+    return summary(times, "ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--jobs", type=int, default=200, help="jobs per arrival rate")
+    parser.add_argument("--gaps", default="0.5,0.05", help="mean gaps between arrivals (s)")
+    parser.add_argument("--sequential", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    figures: dict[str, object] = {}
+    with tempfile.TemporaryDirectory() as tmp, running_system(Path(tmp)) as stack:
+        for gap in (float(g) for g in args.gaps.split(",")):
+            figures[f"submit_to_launch_gap_{gap:g}s"] = asyncio.run(
+                poisson(stack, args.jobs, gap, args.seed)
+            )
+        figures["sequential_submit"] = asyncio.run(sequential(stack, args.sequential))
+    print(
+        json.dumps({"bench": "latency", "jobs": args.jobs, **figures, "machine": machine()}),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
