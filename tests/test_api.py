@@ -90,6 +90,19 @@ async def test_submit_get_list_and_cancel_waiting_job(
     assert list(again.cancelled_job_ids) == []
 
 
+async def test_get_job_shows_each_tasks_max_duration_but_not_its_spec(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: chain\n---\nname: a\nrun: x\nmax_duration: 2h\n---\nname: b\nrun: y\n"
+    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))).job_id
+    job = (await client.GetJob(pb.GetJobRequest(job_id=job_id))).job
+    first, second = job.tasks
+    assert first.HasField("max_duration_seconds") and first.max_duration_seconds == 7200
+    assert not second.HasField("max_duration_seconds")
+    assert not first.HasField("spec") and not second.HasField("spec")
+    assert (job.controller_id, job.epoch) == ("", 0)  # never assigned
+
+
 async def test_submit_jobs_stores_all_in_order_or_none(
     client: job_service_pb2_grpc.JobServiceStub,
 ) -> None:

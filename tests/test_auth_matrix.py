@@ -10,7 +10,10 @@ each cell follows from `access.POLICY` alone, and every cell is asserted.
 - a listed role: anything but those two, with a minimal valid request. The
   requests name job 1, which belongs to the "user" caller (alice), so the "other
   user" (bob) gets PERMISSION_DENIED from the per-object rules of the methods
-  that act on a given job (`OWNED_BY_USER`).
+  that act on a given job (`OWNED_BY_USER`). Job 1 is assigned to no replica, so
+  the controller passes the edge on the logs RPCs replicas call and is then
+  refused by their per-object rule (`HELD_BY_REPLICA`: PERMISSION_DENIED with
+  reason JOB_NOT_HELD, never the edge's ROLE_FORBIDDEN).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import descriptor_pool, message, message_factory, timestamp_pb2
+from google.rpc import error_details_pb2, status_pb2
 from identities import CALLERS, REGISTERED, Identities, make_identities
 from inprocess import System, running_system
 
@@ -67,10 +71,10 @@ REQUESTS: dict[str, message.Message] = {
         job_id=1, controller=True
     ),
     "/managedjobs.v1.LogService/FetchTaskLogs": log_service_pb2.FetchTaskLogsRequest(
-        job_id=1, task_id=0, cluster_name="mj-1-0"
+        job_id=1, task_id=0, cluster_name="mj-1-0", attempt=1, epoch=1
     ),
     "/managedjobs.v1.LogService/AppendControllerLogs": log_service_pb2.AppendControllerLogsRequest(
-        lines=[log_service_pb2.ControllerLogLine(job_id=1, line="matrix\n")]
+        lines=[log_service_pb2.ControllerLogLine(job_id=1, line="matrix\n", epoch=1)]
     ),
     "/managedjobs.simcloud.v1.SimCloudService/Launch": spb.LaunchRequest(
         cluster_name="matrix", job_id=1, epoch=1
@@ -110,8 +114,13 @@ OWNED_BY_USER = {
     "/managedjobs.v1.JobService/WatchJobs",
     "/managedjobs.v1.LogService/ReadLogs",
 }
+HELD_BY_REPLICA = {
+    "/managedjobs.v1.LogService/FetchTaskLogs",
+    "/managedjobs.v1.LogService/AppendControllerLogs",
+}
 DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
 ALLOWED = "allowed"
+NOT_HELD = "JOB_NOT_HELD"
 
 
 def expected(method: str, rule: Rule, caller: str) -> grpc.StatusCode | str:
@@ -122,6 +131,8 @@ def expected(method: str, rule: Rule, caller: str) -> grpc.StatusCode | str:
         return grpc.StatusCode.PERMISSION_DENIED
     if caller == "other user" and method in OWNED_BY_USER:
         return grpc.StatusCode.PERMISSION_DENIED
+    if method in HELD_BY_REPLICA:
+        return NOT_HELD
     return ALLOWED
 
 
@@ -130,8 +141,11 @@ def method_descriptor(method: str) -> Any:
     return descriptor_pool.Default().FindServiceByName(service).methods_by_name[name]
 
 
-async def call(channel: grpc.aio.Channel, method: str, request: message.Message) -> grpc.StatusCode:
-    """Calls `method`; the status it ended with (a stream: after its first message)."""
+async def call(
+    channel: grpc.aio.Channel, method: str, request: message.Message
+) -> tuple[grpc.StatusCode, str]:
+    """Calls `method`; the status it ended with (a stream: after its first message) and
+    the ErrorInfo reason of an error."""
     desc = method_descriptor(method)
     reply = message_factory.GetMessageClass(desc.output_type)
     encode, decode = type(request).SerializeToString, reply.FromString
@@ -151,8 +165,18 @@ async def call(channel: grpc.aio.Channel, method: str, request: message.Message)
         else:
             await channel.unary_unary(method, encode, decode)(request, timeout=10)
     except grpc.aio.AioRpcError as error:
-        return error.code()
-    return grpc.StatusCode.OK
+        return error.code(), error_reason(error)
+    return grpc.StatusCode.OK, ""
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> str:
+    for key, value in error.trailing_metadata() or ():
+        if key == "grpc-status-details-bin":
+            for detail in status_pb2.Status.FromString(value).details:  # type: ignore[arg-type]
+                info = error_details_pb2.ErrorInfo()
+                if detail.Unpack(info):
+                    return info.reason
+    return ""
 
 
 def test_the_table_covers_every_rpc_of_every_service() -> None:
@@ -193,11 +217,18 @@ async def test_every_cell_of_the_auth_matrix(ids: Identities, tls: bool, tmp_pat
                 async with open_channel(
                     system.address(service_of(method)), ids.client(caller, tls)
                 ) as channel:
-                    got = await call(channel, method, REQUESTS[method])
+                    got, reason = await call(channel, method, REQUESTS[method])
                 cells += 1
-                ok = got not in DENIED if want == ALLOWED else got == want
+                if want == ALLOWED:
+                    ok = got not in DENIED
+                elif want == NOT_HELD:
+                    ok = (got, reason) == (grpc.StatusCode.PERMISSION_DENIED, NOT_HELD)
+                else:
+                    ok = got == want
                 if not ok:
-                    mismatches.append(f"{method} as {caller}: want {want}, got {got.name}")
+                    mismatches.append(
+                        f"{method} as {caller}: want {want}, got {got.name} {reason}".rstrip()
+                    )
     assert cells == len(POLICY) * len(CALLERS)
     assert mismatches == []
 

@@ -7,6 +7,7 @@ fake service logic); the unreachable case runs `mj` as a real process.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,7 +29,7 @@ from managedjobs.v1 import (
     log_service_pb2,
     log_service_pb2_grpc,
 )
-from services.cli import commands, tables
+from services.cli import commands, specs, tables
 from services.cli.main import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,6 +184,146 @@ def test_event_line() -> None:
     )
 
 
+def troubled_job(now: float = NOW) -> job_pb2.Job:
+    """Job 10: preempted once, running again on a cluster that does not answer, under
+    a job and a task deadline (times relative to `now`)."""
+    first = job_pb2.Attempt(
+        attempt=1,
+        cluster_name="mj-10-0",
+        region="us-west-2",
+        start_time=ts(now - 500),
+        end_time=ts(now - 300),
+        outcome="mj-10-0 was\npreempted",
+    )
+    second = job_pb2.Attempt(
+        attempt=2, cluster_name="mj-10-0", region="eu-west-1", start_time=ts(now - 280)
+    )
+    return job_pb2.Job(
+        job_id=10,
+        name="train",
+        user="alice",
+        status=job_pb2.JOB_STATUS_RUNNING,
+        submit_time=ts(now - 600),
+        start_time=ts(now - 500),
+        timeouts=job_pb2.JobTimeouts(max_pending_seconds=3600, max_duration_seconds=7200),
+        tasks=[
+            job_pb2.Task(
+                task_id=0,
+                name="train",
+                status=job_pb2.JOB_STATUS_RUNNING,
+                cluster_name="mj-10-0",
+                region="eu-west-1",
+                start_time=ts(now - 500),
+                recovery_count=1,
+                max_duration_seconds=1800,
+                condition="mj-10-0 unreachable since 22:11:20 UTC (host does not answer)",
+                condition_time=ts(now - 120),
+                attempts=[second, first],
+            )
+        ],
+    )
+
+
+def test_status_tables_show_attempts_condition_and_deadlines() -> None:
+    job = troubled_job()
+    assert tables.deadline_fields(job, NOW) == [
+        ("Max pending", "1h from submission (met: started after 1m 40s)"),
+        ("Max duration", "2h from the job's start (1h 51m 40s left)"),
+    ]
+    assert tables.task_notes(job, NOW) == [
+        "Task 0: mj-10-0 unreachable since 22:11:20 UTC (host does not answer) (for 2m)",
+        "Task 0: max duration 30m from its first start (21m 40s left)",
+    ]
+    time_ = tables.format_time
+    assert tables.attempt_table(job) == [
+        ["0", "1", "mj-10-0", "us-west-2", time_(NOW - 500), time_(NOW - 300), "-",
+         "mj-10-0 was preempted"],
+        ["0", "2", "mj-10-0", "eu-west-1", time_(NOW - 280), "-", "-", "-"],
+    ]  # fmt: skip
+    job.tasks[0].attempts[0].exit_code = 3
+    assert tables.attempt_table(job)[1][6] == "3"
+
+
+PENDING_FOR = "from submission"
+RUNNING_FOR = "from the job's start"
+
+
+@pytest.mark.parametrize(
+    ("timeouts", "start", "end", "field"),
+    [
+        ({"max_pending_seconds": 60}, None, None, f"1m {PENDING_FOR} (30s left)"),
+        ({"max_pending_seconds": 20}, None, None, f"20s {PENDING_FOR} (over by 10s)"),
+        ({"max_pending_seconds": 20}, None, NOW, f"20s {PENDING_FOR} (never started)"),
+        ({"max_duration_seconds": 90}, None, None, f"1m 30s {RUNNING_FOR} (not started)"),
+        ({"max_duration_seconds": 90}, NOW - 20, NOW - 5, f"1m 30s {RUNNING_FOR} (ran 15s)"),
+        ({}, NOW - 20, None, None),
+    ],
+)
+def test_deadlines_count_down_from_their_start(
+    timeouts: dict[str, float], start: float | None, end: float | None, field: str | None
+) -> None:
+    job = pending_job()  # submitted 30 s ago
+    job.timeouts.CopyFrom(job_pb2.JobTimeouts(**timeouts))
+    if start is not None:
+        job.start_time.CopyFrom(ts(start))
+    if end is not None:
+        job.end_time.CopyFrom(ts(end))
+    assert [value for _, value in tables.deadline_fields(job, NOW)] == ([field] if field else [])
+
+
+@pytest.mark.parametrize(
+    ("status", "codes", "expected"),
+    [
+        (job_pb2.JOB_STATUS_SUCCEEDED, [0], 0),
+        (job_pb2.JOB_STATUS_FAILED, [], 1),
+        (job_pb2.JOB_STATUS_FAILED, [None], 1),
+        (job_pb2.JOB_STATUS_FAILED, [7, 3], 3),
+        (job_pb2.JOB_STATUS_FAILED_SETUP, [42], 42),
+        (job_pb2.JOB_STATUS_FAILED, [-9], 137),
+        (job_pb2.JOB_STATUS_FAILED, [0], 1),
+        (job_pb2.JOB_STATUS_FAILED, [1000], 255),
+        (job_pb2.JOB_STATUS_FAILED, [-200], 255),
+        (job_pb2.JOB_STATUS_CANCELLED, [5], 1),
+        (job_pb2.JOB_STATUS_FAILED_NO_RESOURCE, [5], 1),
+    ],
+)
+def test_launch_exit_code_is_the_failing_attempts_clamped(
+    status: job_pb2.JobStatus.ValueType, codes: list[int | None], expected: int
+) -> None:
+    attempts = [
+        job_pb2.Attempt(attempt=number, exit_code=code)
+        if code is not None
+        else job_pb2.Attempt(attempt=number)
+        for number, code in enumerate(codes, start=1)
+    ]
+    done = job_pb2.Task(task_id=0, status=job_pb2.JOB_STATUS_SUCCEEDED)
+    failing = job_pb2.Task(task_id=1, status=status, attempts=reversed(attempts))
+    job = job_pb2.Job(job_id=1, status=status, tasks=[done, failing])
+    assert commands.job_exit_code(job) == expected
+
+
+def test_relative_workdirs_become_absolute_and_nothing_else_changes(tmp_path: Path) -> None:
+    text = (
+        "name: chain  # the job\n"
+        "---\n"
+        "name: prep\nworkdir: src\nrun: make\n"
+        "---\n"
+        "workdir: '../data dir'\nenvs: {A: '1'}\n"
+        "---\n"
+        "workdir: /abs/path\n"
+        "---\n"
+        "workdir: 12\n"
+        "---\n"
+        "x: &w here\nworkdir: *w\n"
+    )
+    folder = tmp_path / "jobs"
+    out = specs.absolute_workdirs(text, folder)
+    assert out == text.replace("workdir: src", f'workdir: "{folder}/src"').replace(
+        "workdir: '../data dir'", f'workdir: "{tmp_path}/data dir"'
+    )
+    assert specs.absolute_workdirs("name: [unclosed", folder) == "name: [unclosed"
+
+
 # --- command line ------------------------------------------------------------------------
 
 
@@ -268,6 +409,9 @@ class FakeJobs(job_service_pb2_grpc.JobServiceServicer):
         self.outcome = job_pb2.JOB_STATUS_SUCCEEDED
         self.reject: str | None = None
         self.cancels: list[job_service_pb2.CancelJobsRequest] = []
+        # The attempts each submitted job's task shows (with their exit codes).
+        self.attempts: list[job_pb2.Attempt] = []
+        self.batches: list[job_service_pb2.SubmitJobsRequest] = []
 
     def SubmitJob(
         self, request: job_service_pb2.SubmitJobRequest, context: grpc.ServicerContext
@@ -275,6 +419,15 @@ class FakeJobs(job_service_pb2_grpc.JobServiceServicer):
         self.metadata.append(tuple((str(k), str(v)) for k, v in context.invocation_metadata()))
         if self.reject:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, self.reject)
+        return job_service_pb2.SubmitJobResponse(job_id=self._store(request))
+
+    def SubmitJobs(
+        self, request: job_service_pb2.SubmitJobsRequest, context: grpc.ServicerContext
+    ) -> job_service_pb2.SubmitJobsResponse:
+        self.batches.append(request)
+        return job_service_pb2.SubmitJobsResponse(job_ids=[self._store(r) for r in request.jobs])
+
+    def _store(self, request: job_service_pb2.SubmitJobRequest) -> int:
         self.submitted.append(request)
         job_id = len(self.jobs) + 1
         reason = "" if self.outcome == job_pb2.JOB_STATUS_SUCCEEDED else "exit code 3"
@@ -285,9 +438,9 @@ class FakeJobs(job_service_pb2_grpc.JobServiceServicer):
             status=self.outcome,
             failure_reason=reason,
             submit_time=ts(NOW),
-            tasks=[job_pb2.Task(task_id=0, status=self.outcome)],
+            tasks=[job_pb2.Task(task_id=0, status=self.outcome, attempts=self.attempts)],
         )
-        return job_service_pb2.SubmitJobResponse(job_id=job_id)
+        return job_id
 
     def GetJob(
         self, request: job_service_pb2.GetJobRequest, context: grpc.ServicerContext
@@ -560,6 +713,11 @@ def test_logs_passes_task_tail_and_follow(
     request = logs.requests[0]
     assert request.HasField("task_id") and request.task_id == 1
     assert (request.tail_lines, request.follow, request.controller) == (20, False, False)
+    assert not request.HasField("attempt")
+    assert mj(address, "logs", "3", "--attempt", "2") == 0
+    assert logs.requests[1].HasField("attempt") and logs.requests[1].attempt == 2
+    assert logs.requests[1].follow
+    assert mj(address, "logs", "3", "--attempt", "0") == 2
 
 
 def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None:
@@ -622,3 +780,84 @@ def test_mj_takes_its_token_from_the_flag_then_a_file_then_the_data_dir(tmp_path
     assert token("--token", "from-flag", MJ_TOKEN_FILE=str(token_file)) == "from-flag"
     assert token(MJ_TOKEN="from-env") == "from-env"
     assert token(MJ_DATA_DIR=str(tmp_path / "elsewhere")) is None
+
+
+def test_status_prints_attempts_exit_codes_the_condition_and_deadlines(
+    services: tuple[str, FakeJobs, FakeLogs], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, jobs, _ = services
+    job = troubled_job(time.time())
+    job.tasks[0].attempts[1].exit_code = 143  # the first attempt, stopped by SIGTERM
+    jobs.jobs = {10: job}
+    assert mj(address, "status", "10") == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^Max pending: +1h from submission \(met: started after 1m 40s\)$", out, re.M)
+    assert re.search(
+        r"^Max duration: +2h from the job's start \(1h 5\dm( \d+s)? left\)$", out, re.M
+    )
+    assert "Task 0: mj-10-0 unreachable since 22:11:20 UTC (host does not answer) (for 2m" in out
+    assert re.search(
+        r"^Task 0: max duration 30m from its first start \(2\dm( \d+s)? left\)$", out, re.M
+    )
+    header, first, second = out.split("\n\n")[-1].splitlines()
+    assert header.split() == ["TASK", "ATTEMPT", "CLUSTER", "REGION", "STARTED", "ENDED",
+                              "EXIT", "CODE", "OUTCOME"]  # fmt: skip
+    assert first.split()[:4] == ["0", "1", "mj-10-0", "us-west-2"]
+    assert re.search(r" 143 +mj-10-0 was preempted$", first)
+    assert second.split()[:4] == ["0", "2", "mj-10-0", "eu-west-1"]
+    assert second.split()[-2:] == ["-", "-"]
+
+
+def test_launch_of_a_job_that_failed_with_an_exit_code_exits_with_it(
+    services: tuple[str, FakeJobs, FakeLogs],
+    spec: Path,
+    capsysbinary: pytest.CaptureFixture[bytes],
+) -> None:
+    address, jobs, _ = services
+    jobs.outcome = job_pb2.JOB_STATUS_FAILED
+    jobs.attempts = [
+        job_pb2.Attempt(attempt=1, outcome="preempted"),
+        job_pb2.Attempt(attempt=2, exit_code=42, outcome="user run exited non-zero"),
+    ]
+    assert mj(address, "launch", str(spec)) == 42
+    assert capsysbinary.readouterr().out.endswith(b"Job 1 FAILED: exit code 3\n")
+
+
+def test_launch_of_several_files_submits_them_in_one_call_and_follows_each(
+    services: tuple[str, FakeJobs, FakeLogs],
+    tmp_path: Path,
+    capsysbinary: pytest.CaptureFixture[bytes],
+) -> None:
+    address, jobs, logs = services
+    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first.write_text("name: a\nrun: echo a\n")
+    second.write_text("name: b\nrun: echo b\n")
+    jobs.outcome = job_pb2.JOB_STATUS_FAILED
+    jobs.attempts = [job_pb2.Attempt(attempt=1, exit_code=7)]
+
+    assert mj(address, "launch", str(first), str(second), "--idempotency-key", "k") == 7
+    assert [len(batch.jobs) for batch in jobs.batches] == [2]
+    assert [r.spec_yaml for r in jobs.submitted] == [first.read_text(), second.read_text()]
+    assert [r.idempotency_key for r in jobs.submitted] == ["k-0", "k-1"]
+    assert [(r.job_id, r.follow) for r in logs.requests] == [(1, True), (2, True)]
+    assert capsysbinary.readouterr().out == (
+        b"Job 1 submitted.\nJob 2 submitted.\n"
+        b"hello\nworld\nJob 1 FAILED: exit code 3\n"
+        b"hello\nworld\nJob 2 FAILED: exit code 3\n"
+    )
+
+
+def test_launch_makes_a_relative_workdir_absolute_against_the_spec_folder(
+    services: tuple[str, FakeJobs, FakeLogs], tmp_path: Path
+) -> None:
+    address, jobs, _ = services
+    folder = tmp_path / "project" / "jobs"
+    folder.mkdir(parents=True)
+    path = folder / "train.yaml"
+    path.write_text("name: train\nworkdir: ../src  # the code\nrun: python train.py\n")
+    # mj runs elsewhere: the folder of the file decides, not the current directory.
+    assert mj(address, "launch", os.path.relpath(path), "--detach") == 0
+    assert jobs.submitted[0].spec_yaml == (
+        f'name: train\nworkdir: "{tmp_path}/project/src"  # the code\nrun: python train.py\n'
+    )
+    assert jobs.batches == []

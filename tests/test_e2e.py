@@ -130,7 +130,7 @@ def test_failing_example_is_restarted_then_fails(
     stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub
 ) -> None:
     launched = mj(stack, "launch", "examples/flaky.yaml")
-    assert launched.returncode == 1
+    assert launched.returncode == 3  # the exit code of its last attempt's run
     assert "FAILED" in launched.stdout.splitlines()[-1]
     job = jobs.GetJob(pb.GetJobRequest(job_id=job_id_from(launched.stdout))).job
     assert job.status == JobStatus.FAILED
@@ -138,6 +138,10 @@ def test_failing_example_is_restarted_then_fails(
     assert job.failure_reason
     logs = mj(stack, "logs", str(job.job_id), "--no-follow")
     assert logs.stdout.count("failing on purpose") == 3
+    assert [(a.attempt, a.exit_code) for a in job.tasks[0].attempts] == [(1, 3), (2, 3), (3, 3)]
+    for attempt in ("1", "2", "3"):
+        one = mj(stack, "logs", str(job.job_id), "--attempt", attempt, "--no-follow")
+        assert one.stdout.count("failing on purpose") == 1, one.stderr
 
 
 def test_killed_supervisor_is_a_preemption_that_is_recovered(

@@ -1,318 +1,34 @@
-"""The logs service over real gRPC: a small in-memory JobService plays the scheduler
-and an in-memory backend plays the clusters, so each test scripts exactly when
-logs appear, clusters vanish and jobs change."""
+"""The logs service over real gRPC (`logs_harness`): storing and serving task logs,
+following them live, controller logs, and the bounds of every request."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from local_clusters import open_folder
+from logs_harness import (
+    DONE,
+    RECOVERING,
+    RUNNING,
+    SUCCEEDED,
+    Follow,
+    MemoryBackend,
+    System,
+    running_system,
+)
 
-from managedjobs.v1 import (
-    job_pb2,
-    job_service_pb2,
-    job_service_pb2_grpc,
-    log_service_pb2,
-    log_service_pb2_grpc,
-)
-from services.backends.base import (
-    Backend,
-    BackendError,
-    ClusterHandle,
-    ClusterStatus,
-    Observation,
-    TaskRequest,
-    TaskStatus,
-)
+from managedjobs.v1 import job_pb2, job_service_pb2_grpc, log_service_pb2
+from services.backends.base import ClusterHandle, TaskRequest
 from services.backends.local import LocalBackend
-from services.common.channels import ClientSecurity
 from services.common.edge import ServerSecurity
 from services.common.server import Server
-from services.logs import RECOVERED_MARKER, JobDirectory, LogServicer, LogStore
+from services.logs import RECOVERED_MARKER, LogStore
 from services.logs.main import SETTINGS
 from services.logs.store import CHUNK_BYTES
-
-DEADLINE = 5.0
-PENDING = job_pb2.JOB_STATUS_PENDING
-RUNNING = job_pb2.JOB_STATUS_RUNNING
-RECOVERING = job_pb2.JOB_STATUS_RECOVERING
-SUCCEEDED = job_pb2.JOB_STATUS_SUCCEEDED
-ALIVE = job_pb2.SCHEDULE_STATE_ALIVE
-DONE = job_pb2.SCHEDULE_STATE_DONE
-
-
-class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
-    """GetJob and WatchJobs over an in-memory dict; tests change jobs with `update`."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[int, job_pb2.Job] = {}
-        self.events: list[job_pb2.JobEvent] = []
-        self._subscribers: set[asyncio.Queue[job_pb2.JobEvent]] = set()
-
-    def add(self, job_id: int, tasks: int = 1) -> job_pb2.Job:
-        job = job_pb2.Job(job_id=job_id, schedule_state=ALIVE, status=PENDING)
-        for task_id in range(tasks):
-            job.tasks.add(task_id=task_id, status=PENDING)
-        self.jobs[job_id] = job
-        return job
-
-    def update(
-        self,
-        job_id: int,
-        task_id: int = 0,
-        *,
-        status: job_pb2.JobStatus.ValueType | None = None,
-        cluster_name: str | None = None,
-        recovery_count: int | None = None,
-        schedule_state: job_pb2.ScheduleState.ValueType | None = None,
-    ) -> None:
-        job = self.jobs[job_id]
-        task = job.tasks[task_id]
-        if status is not None:
-            task.status = status
-            job.status = status
-            job.current_task_id = task_id
-        if cluster_name is not None:
-            task.cluster_name = cluster_name
-        if recovery_count is not None:
-            task.recovery_count = recovery_count
-        if schedule_state is not None:
-            job.schedule_state = schedule_state
-        event = job_pb2.JobEvent(
-            event_id=len(self.events) + 1,
-            job_id=job_id,
-            task_id=task_id,
-            status=task.status,
-            schedule_state=job.schedule_state,
-        )
-        self.events.append(event)
-        for queue in self._subscribers:
-            queue.put_nowait(event)
-
-    async def GetJob(
-        self, request: job_service_pb2.GetJobRequest, context: Any
-    ) -> job_service_pb2.GetJobResponse:
-        job = self.jobs.get(request.job_id)
-        if job is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "no such job")
-        return job_service_pb2.GetJobResponse(job=job)
-
-    async def SubmitJob(self, request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
-
-    async def ListJobs(self, request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
-
-    async def CancelJobs(self, request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
-
-    async def WatchJobs(
-        self, request: job_service_pb2.WatchJobsRequest, context: Any
-    ) -> AsyncIterator[job_service_pb2.WatchJobsResponse]:
-        queue: asyncio.Queue[job_pb2.JobEvent] = asyncio.Queue()
-        self._subscribers.add(queue)
-        try:
-            wanted = set(request.job_ids)
-            after = request.after_event_id
-            for event in [*self.events]:
-                if event.event_id > after and (not wanted or event.job_id in wanted):
-                    after = event.event_id
-                    yield job_service_pb2.WatchJobsResponse(event=event)
-            while True:
-                event = await queue.get()
-                if event.event_id > after and (not wanted or event.job_id in wanted):
-                    yield job_service_pb2.WatchJobsResponse(event=event)
-        finally:
-            self._subscribers.discard(queue)
-
-
-class MemoryBackend(Backend):
-    """Clusters as byte strings in memory; tests write logs, finish and break clusters."""
-
-    name = "memory"
-
-    def __init__(self) -> None:
-        self.logs: dict[str, bytearray] = {}
-        self.finished: set[str] = set()
-        self.gone: set[str] = set()
-        self.broken: set[str] = set()
-        self._changed = asyncio.Event()
-
-    def _touch(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    def write(self, cluster: str, data: bytes) -> None:
-        self.logs.setdefault(cluster, bytearray()).extend(data)
-        self._touch()
-
-    def finish(self, cluster: str) -> None:
-        self.finished.add(cluster)
-        self._touch()
-
-    def vanish(self, cluster: str) -> None:
-        """The cluster is preempted: live reads and tails fail from now on."""
-        self.gone.add(cluster)
-        self._touch()
-
-    def break_tails(self, cluster: str) -> None:
-        """Live tails of the cluster fail (e.g. a network blip); reads still work."""
-        self.broken.add(cluster)
-        self._touch()
-
-    def handle_for(self, cluster_name: str) -> ClusterHandle:
-        return ClusterHandle(cluster_name, backend=self.name)
-
-    async def read_logs(self, handle: ClusterHandle) -> bytes:
-        if handle.cluster_name in self.gone:
-            raise BackendError(f"cluster {handle.cluster_name} is gone")
-        return bytes(self.logs.get(handle.cluster_name, b""))
-
-    async def tail_logs(self, handle: ClusterHandle) -> AsyncIterator[bytes]:
-        name = handle.cluster_name
-        sent = 0
-        while True:
-            changed = self._changed
-            if name in self.gone or name in self.broken:
-                raise BackendError(f"cluster {name} is gone")
-            data = bytes(self.logs.get(name, b""))
-            if len(data) > sent:
-                yield data[sent:]
-                sent = len(data)
-            elif name in self.finished:
-                return
-            else:
-                await changed.wait()
-
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        return self.handle_for(request.cluster_name)
-
-    async def observe(self, handle: ClusterHandle) -> Observation:
-        if handle.cluster_name in self.gone:
-            return Observation(ClusterStatus.DOWN)
-        finished = handle.cluster_name in self.finished
-        return Observation(
-            ClusterStatus.UP, TaskStatus.SUCCEEDED if finished else TaskStatus.RUNNING
-        )
-
-    async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
-        raise AssertionError("no preemption notices in these tests")
-
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
-        self.gone.add(handle.cluster_name)
-
-    async def cluster_exists(self, cluster_name: str) -> bool:
-        return cluster_name in self.logs and cluster_name not in self.gone
-
-    async def reachable(self) -> bool:
-        return True
-
-
-@dataclasses.dataclass
-class System:
-    scheduler: FakeJobService
-    backend: Any
-    store: LogStore
-    stub: log_service_pb2_grpc.LogServiceAsyncStub
-    data_dir: Path
-    servicer: LogServicer
-    scheduler_server: Server
-
-    async def fetch(
-        self, job_id: int, task_id: int, cluster: str, handle: ClusterHandle | None = None
-    ) -> int:
-        handle_json = (handle or self.backend.handle_for(cluster)).to_json()
-        request = log_service_pb2.FetchTaskLogsRequest(
-            job_id=job_id, task_id=task_id, handle_json=handle_json
-        )
-        return (await self.stub.FetchTaskLogs(request)).bytes_stored
-
-    async def append(self, job_id: int, *lines: str) -> None:
-        request = log_service_pb2.AppendControllerLogsRequest(
-            lines=[log_service_pb2.ControllerLogLine(job_id=job_id, line=line) for line in lines]
-        )
-        await self.stub.AppendControllerLogs(request)
-
-    async def read(self, **fields: Any) -> bytes:
-        responses = self.stub.ReadLogs(log_service_pb2.ReadLogsRequest(**fields))
-        async with asyncio.timeout(DEADLINE):
-            return b"".join([response.data async for response in responses])
-
-
-class Follow:
-    """A ReadLogs stream read step by step, each step under a deadline."""
-
-    def __init__(self, system: System, **fields: Any) -> None:
-        self.call = system.stub.ReadLogs(log_service_pb2.ReadLogsRequest(follow=True, **fields))
-        self.data = bytearray()
-        self.task_ids: list[int] = []
-        self.ended = False
-
-    async def _next(self) -> bool:
-        response = await self.call.read()
-        if response is grpc.aio.EOF:
-            self.ended = True
-            return False
-        assert isinstance(response, log_service_pb2.ReadLogsResponse)
-        self.data += response.data
-        self.task_ids.append(response.task_id)
-        return True
-
-    async def until(self, expected: bytes) -> None:
-        async with asyncio.timeout(DEADLINE):
-            while not self.data.endswith(expected):
-                assert await self._next(), f"stream ended with {bytes(self.data)!r}"
-
-    async def to_end(self) -> bytes:
-        async with asyncio.timeout(DEADLINE):
-            while await self._next():
-                pass
-        return bytes(self.data)
-
-
-@contextlib.asynccontextmanager
-async def running_system(data_dir: Path, backend: Backend) -> AsyncIterator[System]:
-    """A fake scheduler and a real logs service, both on port 0."""
-    scheduler = FakeJobService()
-    scheduler_server = Server("127.0.0.1", 0, security=ServerSecurity.without_auth())
-    scheduler_server.add(
-        job_service_pb2_grpc.add_JobServiceServicer_to_server,
-        scheduler,
-        "managedjobs.v1.JobService",
-    )
-    scheduler_port = await scheduler_server.start()
-    directory = JobDirectory(f"127.0.0.1:{scheduler_port}", ClientSecurity())
-    store = LogStore(data_dir / "logs")
-    servicer = LogServicer(store, directory, backend)
-    logs_server = Server("127.0.0.1", 0, security=ServerSecurity.without_auth())
-    logs_server.add(
-        log_service_pb2_grpc.add_LogServiceServicer_to_server,
-        servicer,
-        "managedjobs.v1.LogService",
-    )
-    logs_port = await logs_server.start()
-    channel = grpc.aio.insecure_channel(f"127.0.0.1:{logs_port}")
-    try:
-        stub = log_service_pb2_grpc.LogServiceStub(channel)
-        system = System(scheduler, backend, store, stub, data_dir, servicer, scheduler_server)
-        yield system
-    finally:
-        await channel.close()
-        await logs_server.stop(0)
-        await system.scheduler_server.stop(0)
-        await directory.close()
 
 
 @pytest.fixture
@@ -353,73 +69,66 @@ async def test_controller_log_follow_wakes_on_append_and_ends_when_job_done(
     assert await follow.to_end() == b"first\nsecond\ncleaning up\n"
 
 
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+C = "mj-1-0"  # the cluster of job 1's task 0, for each of its attempts
+
+
 async def test_fetch_task_logs_stores_and_read_logs_serves_them(system: System) -> None:
     system.scheduler.add(1)
-    system.scheduler.update(1, status=SUCCEEDED, cluster_name="c1")
-    system.backend.write("c1", b"l1\nl2\nl3\n")
+    system.scheduler.update(1, status=SUCCEEDED, cluster_name=C)
+    system.backend.write(C, b"l1\nl2\nl3\n")
 
-    assert await system.fetch(1, 0, "c1") == 9
-    system.backend.vanish("c1")
+    assert await system.fetch(1, 0) == 9
+    system.backend.vanish(C)
 
     assert (system.data_dir / "logs" / "1" / "task-0.log").read_bytes() == b"l1\nl2\nl3\n"
     assert await system.read(job_id=1, task_id=0) == b"l1\nl2\nl3\n"
     assert await system.read(job_id=1) == b"l1\nl2\nl3\n"
     assert await system.read(job_id=1, tail_lines=2) == b"l2\nl3\n"
     assert await system.read(job_id=1, tail_lines=5) == b"l1\nl2\nl3\n"
+    assert await system.read(job_id=1, attempt=1, tail_lines=1) == b"l3\n"
     # A finished task's stored copy is complete: following it ends at once.
     assert await Follow(system, job_id=1, tail_lines=1).to_end() == b"l3\n"
 
 
 async def test_fetch_by_cluster_name_and_refetch_replaces_not_duplicates(system: System) -> None:
     system.scheduler.add(1)
-    system.backend.write("c1", b"partial\n")
-    request = log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0, cluster_name="c1")
+    system.backend.write(C, b"partial\n")
+    request = log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0, cluster_name=C, attempt=1)
     await system.stub.FetchTaskLogs(request)
-    system.backend.write("c1", b"rest\n")
+    system.backend.write(C, b"rest\n")
 
     assert (await system.stub.FetchTaskLogs(request)).bytes_stored == 13
     assert await system.read(job_id=1, task_id=0) == b"partial\nrest\n"
 
 
-async def test_fetch_of_a_recovered_task_keeps_every_cluster_log(system: System) -> None:
-    system.scheduler.add(1)
-    system.scheduler.update(1, status=SUCCEEDED, cluster_name="c2")
-    system.backend.write("c1", b"first try")
-    system.backend.write("c2", b"second try\n")
-    await system.fetch(1, 0, "c1")
-    await system.fetch(1, 0, "c1")  # a retried fetch replaces its own section
-    await system.fetch(1, 0, "c2")
-
-    expected = b"first try\n" + RECOVERED_MARKER + b"second try\n"
-    assert await system.read(job_id=1, task_id=0) == expected
-
-
 async def test_read_without_follow_reads_a_live_cluster_once(system: System) -> None:
     system.scheduler.add(1)
-    system.scheduler.update(1, status=RUNNING, cluster_name="c1")
-    system.backend.write("c1", b"x\ny\n")
+    system.scheduler.update(1, status=RUNNING, cluster_name=C)
+    system.backend.write(C, b"x\ny\n")
 
     assert await system.read(job_id=1) == b"x\ny\n"
     assert await system.read(job_id=1, tail_lines=1) == b"y\n"
+    assert await system.read(job_id=1, attempt=1) == b"x\ny\n"
 
 
 async def test_follow_of_a_running_task_sends_every_byte_once_and_ends_with_the_task(
     system: System,
 ) -> None:
     system.scheduler.add(1)
-    system.scheduler.update(1, status=RUNNING, cluster_name="c1")
-    system.backend.write("c1", b"one\n")
+    system.scheduler.update(1, status=RUNNING, cluster_name=C)
+    system.backend.write(C, b"one\n")
     follow = Follow(system, job_id=1)
     await follow.until(b"one\n")
 
-    system.backend.write("c1", b"two\n")
+    system.backend.write(C, b"two\n")
     await follow.until(b"two\n")
-    system.backend.write("c1", b"three\n")
-    system.backend.finish("c1")
+    system.backend.write(C, b"three\n")
+    system.backend.finish(C)
     # What a controller does: SUCCEEDED first, fetch before teardown, then DONE.
     system.scheduler.update(1, status=SUCCEEDED)
-    await system.fetch(1, 0, "c1")
-    system.backend.vanish("c1")
+    await system.fetch(1, 0)
+    system.backend.vanish(C)
     system.scheduler.update(1, schedule_state=DONE)
 
     assert await follow.to_end() == b"one\ntwo\nthree\n"
@@ -429,15 +138,15 @@ async def test_follow_finishes_from_the_stored_copy_after_the_tail_breaks(
     system: System,
 ) -> None:
     system.scheduler.add(1)
-    system.scheduler.update(1, status=RUNNING, cluster_name="c1")
-    system.backend.write("c1", b"one\n")
+    system.scheduler.update(1, status=RUNNING, cluster_name=C)
+    system.backend.write(C, b"one\n")
     follow = Follow(system, job_id=1, task_id=0)
     await follow.until(b"one\n")
 
-    system.backend.break_tails("c1")
-    system.backend.write("c1", b"two\n")  # never reaches the live tail
+    system.backend.break_tails(C)
+    system.backend.write(C, b"two\n")  # never reaches the live tail
     system.scheduler.update(1, status=SUCCEEDED)
-    await system.fetch(1, 0, "c1")
+    await system.fetch(1, 0)
 
     # Ends without DONE: the task is over and its stored copy is complete.
     assert await follow.to_end() == b"one\ntwo\n"
@@ -445,22 +154,29 @@ async def test_follow_finishes_from_the_stored_copy_after_the_tail_breaks(
 
 async def test_follow_continues_on_the_recovered_cluster_after_a_marker(system: System) -> None:
     system.scheduler.add(1)
-    system.scheduler.update(1, status=RUNNING, cluster_name="c1")
-    system.backend.write("c1", b"a\n")
+    system.scheduler.update(1, status=RUNNING, cluster_name=C)
+    system.backend.write(C, b"a\n")
     follow = Follow(system, job_id=1)
     await follow.until(b"a\n")
 
-    system.backend.vanish("c1")  # preempted
+    system.backend.vanish(C)  # preempted, its logs lost with it
     system.scheduler.update(1, status=RECOVERING)
-    system.backend.write("c2", b"b\n")
-    system.scheduler.update(1, status=RUNNING, cluster_name="c2", recovery_count=1)
+    system.backend.relaunch(C)
+    system.backend.write(C, b"b\n")
+    system.scheduler.update(1, status=RUNNING, recovery_count=1)
     await follow.until(RECOVERED_MARKER + b"b\n")
-    system.backend.finish("c2")
+    system.backend.finish(C)
     system.scheduler.update(1, status=SUCCEEDED)
-    await system.fetch(1, 0, "c2")
+    await system.fetch(1, 0, attempt=2)
     system.scheduler.update(1, schedule_state=DONE)
 
     assert await follow.to_end() == b"a\n" + RECOVERED_MARKER + b"b\n"
+    # The first attempt's logs could not be kept: asking for them says so.
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await system.read(job_id=1, attempt=1)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "attempt 1" in (raised.value.details() or "")
+    assert await system.read(job_id=1, attempt=2) == b"b\n"
 
 
 async def test_follow_waits_for_a_pending_task_and_goes_through_the_chain(
@@ -468,13 +184,14 @@ async def test_follow_waits_for_a_pending_task_and_goes_through_the_chain(
 ) -> None:
     system.scheduler.add(1, tasks=2)
     follow = Follow(system, job_id=1)
-    for task_id, cluster in enumerate(["c0", "c1"]):
+    for task_id in range(2):
+        cluster = f"mj-1-{task_id}"
         system.backend.write(cluster, f"task {task_id}\n".encode())
         system.scheduler.update(1, task_id, status=RUNNING, cluster_name=cluster)
         await follow.until(f"task {task_id}\n".encode())
         system.backend.finish(cluster)
         system.scheduler.update(1, task_id, status=SUCCEEDED)
-        await system.fetch(1, task_id, cluster)
+        await system.fetch(1, task_id)
     system.scheduler.update(1, 1, schedule_state=DONE)
 
     assert await follow.to_end() == b"task 0\ntask 1\n"
@@ -508,7 +225,7 @@ async def test_follow_of_a_real_local_cluster_sends_its_output_once(tmp_path: Pa
                 go.touch()
                 await follow.until(b"two\n")
                 system.scheduler.update(1, status=SUCCEEDED)
-                assert await system.fetch(1, 0, "mj-1-0", handle) == len(b"one\ntwo\n")
+                assert await system.fetch(1, 0, handle=handle) == len(b"one\ntwo\n")
             finally:
                 await backend.terminate(handle)
             system.scheduler.update(1, schedule_state=DONE)
@@ -542,8 +259,8 @@ async def test_follow_survives_a_scheduler_restart(system: System) -> None:
 
 async def test_drain_ends_follow_streams_with_unavailable(system: System) -> None:
     system.scheduler.add(1)
-    system.scheduler.update(1, status=RUNNING, cluster_name="c1")
-    system.backend.write("c1", b"live\n")
+    system.scheduler.update(1, status=RUNNING, cluster_name=C)
+    system.backend.write(C, b"live\n")
     task_follow = Follow(system, job_id=1)
     controller_follow = Follow(system, job_id=1, controller=True)
     await task_follow.until(b"live\n")
@@ -563,10 +280,15 @@ async def test_drain_ends_follow_streams_with_unavailable(system: System) -> Non
         ({"job_id": 99, "follow": True}, grpc.StatusCode.NOT_FOUND, "99"),
         ({"job_id": 0}, grpc.StatusCode.INVALID_ARGUMENT, "job_id"),
         ({"job_id": 1, "tail_lines": -1}, grpc.StatusCode.INVALID_ARGUMENT, "tail_lines"),
+        ({"job_id": 1, "tail_lines": 100_001}, grpc.StatusCode.INVALID_ARGUMENT, "tail_lines"),
         ({"job_id": 1, "task_id": 1}, grpc.StatusCode.INVALID_ARGUMENT, "task_id"),
         ({"job_id": 1, "task_id": -1, "follow": True}, grpc.StatusCode.INVALID_ARGUMENT, "task_id"),
+        ({"job_id": 1, "attempt": 0}, grpc.StatusCode.INVALID_ARGUMENT, "attempt"),
+        ({"job_id": 1, "attempt": 1, "controller": True}, INVALID, "attempt"),
+        ({"job_id": 1, "attempt": 2}, grpc.StatusCode.NOT_FOUND, "attempt 2"),
+        ({"job_id": 1, "attempt": 2, "follow": True}, grpc.StatusCode.NOT_FOUND, "attempt 2"),
     ],
-)
+)  # fmt: skip
 async def test_read_logs_rejects_bad_requests(
     system: System, fields: dict[str, Any], code: grpc.StatusCode, field: str
 ) -> None:
@@ -577,31 +299,94 @@ async def test_read_logs_rejects_bad_requests(
     assert field in (raised.value.details() or "")
 
 
-async def test_write_rpcs_reject_bad_requests(system: System) -> None:
-    bad_line = log_service_pb2.AppendControllerLogsRequest(
-        lines=[log_service_pb2.ControllerLogLine(job_id=0, line="x")]
-    )
+def fetch_request(**fields: Any) -> log_service_pb2.FetchTaskLogsRequest:
+    """A fetch of job 1's task 0, attempt 1, with `fields` changed."""
+    values: dict[str, Any] = {"job_id": 1, "task_id": 0, "attempt": 1, "cluster_name": C}
+    return log_service_pb2.FetchTaskLogsRequest(**{**values, **fields})
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (fetch_request(cluster_name=""), "cluster_name"),
+        (fetch_request(job_id=0), "job_id"),
+        (fetch_request(task_id=-1), "task_id"),
+        (fetch_request(attempt=0), "attempt"),
+        (fetch_request(attempt=-3), "attempt"),
+        (fetch_request(handle_json="{"), "handle_json"),
+        (fetch_request(handle_json="[]"), "handle_json"),
+        (fetch_request(handle_json='{"cluster_name": 7}'), "handle_json"),
+        (fetch_request(handle_json=ClusterHandle(C, backend="sim").to_json()), "handle_json"),
+        (fetch_request(handle_json=ClusterHandle("mj-1-00", "memory").to_json()), "handle_json"),
+        (fetch_request(cluster_name="mj-2-0"), "cluster_name"),
+        (fetch_request(cluster_name="mj-1-1"), "cluster_name"),
+        (fetch_request(cluster_name="x" * 5000), "cluster_name"),
+        (fetch_request(handle_json=" " * (16 * 1024 + 1)), "handle_json"),
+    ],
+)
+async def test_fetch_rejects_bad_requests_and_stores_nothing(
+    system: System, request_: log_service_pb2.FetchTaskLogsRequest, field: str
+) -> None:
+    system.scheduler.add(1)
+    system.scheduler.add(2)
+    system.backend.write(C, b"x\n")
     with pytest.raises(grpc.aio.AioRpcError) as raised:
-        await system.stub.AppendControllerLogs(bad_line)
+        await system.stub.FetchTaskLogs(request_)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    for request in [
-        log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0),
-        log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0, handle_json="{"),
-        log_service_pb2.FetchTaskLogsRequest(job_id=1, task_id=0, handle_json="[]"),
-        log_service_pb2.FetchTaskLogsRequest(
-            job_id=1, task_id=0, handle_json=ClusterHandle("c1", backend="sim").to_json()
-        ),
-        log_service_pb2.FetchTaskLogsRequest(
-            job_id=1,
-            task_id=0,
-            cluster_name="c2",
-            handle_json=ClusterHandle("c1", "memory").to_json(),
-        ),
-        log_service_pb2.FetchTaskLogsRequest(job_id=0, task_id=0, cluster_name="c1"),
-    ]:
+    details = raised.value.details() or ""
+    assert field in details and len(details) < 600
+    assert not (system.data_dir / "logs").exists()
+
+
+async def test_deeply_nested_handle_json_is_invalid_and_the_service_goes_on(
+    system: System,
+) -> None:
+    system.scheduler.add(1)
+    system.backend.write(C, b"kept\n")
+    for depth in (17, 5000):
+        nested = "[" * depth + "]" * depth
+        handle_json = f'{{"cluster_name": "{C}", "backend": "memory", "data": {nested}}}'
+        assert len(handle_json) <= 16 * 1024
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await system.stub.FetchTaskLogs(request)
+            await system.stub.FetchTaskLogs(fetch_request(handle_json=handle_json))
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "nests deeper" in (raised.value.details() or "")
+    # Brackets inside strings are not nesting, and a shallow handle is taken.
+    shallow = ClusterHandle(C, "memory", data={"note": "[" * 100, "deep": [[1]]}).to_json()
+    assert (await system.stub.FetchTaskLogs(fetch_request(handle_json=shallow))).bytes_stored == 5
+    assert await system.read(job_id=1, attempt=1) == b"kept\n"
+
+
+async def test_append_rejects_bad_batches_and_stores_nothing(system: System) -> None:
+    system.scheduler.add(1)
+    line = log_service_pb2.ControllerLogLine
+    for lines, field in [
+        ([line(job_id=1, line="fine"), line(job_id=0, line="x")], "lines[1].job_id"),
+        ([line(job_id=1, line="x" * (16 * 1024 + 1))], "lines[0].line"),
+        ([line(job_id=1, line="x")] * 1001, "lines"),
+    ]:
+        request = log_service_pb2.AppendControllerLogsRequest(lines=lines)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await system.stub.AppendControllerLogs(request)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert field in (raised.value.details() or "")
+    assert not (system.data_dir / "logs").exists()
+    # The bounds themselves are fine.
+    request = log_service_pb2.AppendControllerLogsRequest(
+        lines=[line(job_id=1, line="y" * (16 * 1024))] + [line(job_id=1, line="z")] * 999
+    )
+    assert (await system.stub.AppendControllerLogs(request)).lines_stored == 1000
+
+
+def test_tail_offset_within_a_range(tmp_path: Path) -> None:
+    store = LogStore(tmp_path)
+    path = tmp_path / "sections.log"
+    path.write_bytes(b"a1\na2\n" + b"b1\nb2\nb3\n" + b"c1\n")
+    start, end = 6, 15  # the b lines
+    assert path.read_bytes()[store.tail_offset(path, 2, start, end) : end] == b"b2\nb3\n"
+    assert store.tail_offset(path, 10, start, end) == start
+    assert store.tail_offset(path, 0, start, end) == start
+    assert store.tail_offset(tmp_path / "missing", 3, start, end) == start
 
 
 def test_tail_offset_spans_chunks(tmp_path: Path) -> None:

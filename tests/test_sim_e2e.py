@@ -8,6 +8,7 @@ capacity, so spot launches fail over to the second.
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
+from services.logs import RECOVERED_MARKER
 from services.stack import Stack
 
 pytestmark = pytest.mark.e2e
@@ -224,6 +226,91 @@ def test_preemption_is_pushed_to_a_controller_that_polls_hourly(
     assert mj(stack, "cancel", str(job_id)).returncode == 0
     list(follow(jobs, job_id))
     assert get(jobs, job_id).status == JobStatus.CANCELLED
+
+
+def job_id_of(launched: subprocess.CompletedProcess[str]) -> int:
+    """The job id in `mj launch`'s "Job N submitted." line."""
+    return next(
+        int(line.split()[1])
+        for line in launched.stdout.splitlines()
+        if line.startswith("Job ") and "submitted" in line
+    )
+
+
+def test_each_attempt_of_a_preempted_job_keeps_its_logs(
+    stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub, tmp_path: Path
+) -> None:
+    spec = tmp_path / "attempts.yaml"
+    spec.write_text(
+        "name: attempts\nresources:\n  use_spot: true\nrun: train\n"
+        "sim:\n  runtime_seconds: 20\n  preempt_after_seconds: 10\n"
+        "  log_lines: [step 1, step 2, step 3, step 4]\n"
+    )
+    launched = mj(stack, "launch", str(spec))
+    assert launched.returncode == 0, launched.stderr
+    job_id = job_id_of(launched)
+    job = get(jobs, job_id)
+    assert (job.status, job.recovery_count) == (JobStatus.SUCCEEDED, 1)
+    attempts = job.tasks[0].attempts
+    assert [(a.attempt, a.cluster_name) for a in attempts] == [
+        (1, f"mj-{job_id}-0"),
+        (2, f"mj-{job_id}-0"),
+    ]
+
+    first = mj(stack, "logs", str(job_id), "--attempt", "1", "--no-follow")
+    second = mj(stack, "logs", str(job_id), "--attempt", "2")  # follows: ends, the job is done
+    whole = mj(stack, "logs", str(job_id), "--no-follow")
+    for result in (first, second, whole):
+        assert result.returncode == 0, result.stderr
+    # Preempted halfway: the first attempt got as far as its first lines, never the last.
+    assert first.stdout.startswith("step 1\n") and "step 4" not in first.stdout
+    assert second.stdout == "step 1\nstep 2\nstep 3\nstep 4\n"
+    assert whole.stdout == first.stdout + RECOVERED_MARKER.decode() + second.stdout
+    missing = mj(stack, "logs", str(job_id), "--attempt", "3", "--no-follow")
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
+
+
+def test_a_cancelled_jobs_attempt_logs_are_kept_and_its_secrets_never_shown(
+    stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub
+) -> None:
+    secret = "hunter2-do-not-print"
+    spec = (
+        "name: cancelled\nresources:\n  use_spot: true\nrun: train\n"
+        f"secrets: {{API_KEY: {secret}}}\n"
+        "sim:\n  runtime_seconds: 3000\n  log_lines: [warming up, halfway]\n"
+    )
+    job_id = submit(jobs, spec)
+    for response in jobs.WatchJobs(pb.WatchJobsRequest(job_ids=[job_id]), timeout=30):
+        event = response.event
+        if event.status == JobStatus.RUNNING and event.schedule_state == ScheduleState.ALIVE:
+            break
+    assert mj(stack, "cancel", str(job_id)).returncode == 0
+    list(follow(jobs, job_id))
+    job = get(jobs, job_id)
+    assert job.status == JobStatus.CANCELLED
+    assert [a.attempt for a in job.tasks[0].attempts] == [1]
+
+    logs = mj(stack, "logs", str(job_id), "--attempt", "1")
+    assert logs.returncode == 0, logs.stderr
+    assert logs.stdout.startswith("warming up\n") and "halfway" not in logs.stdout
+    status = mj(stack, "status", str(job_id))
+    assert status.returncode == 0, status.stderr
+    assert "ATTEMPT" in status.stdout and f"mj-{job_id}-0" in status.stdout
+    controller = mj(stack, "logs", str(job_id), "--controller", "--no-follow")
+    for shown in (status, logs, controller):
+        assert secret not in shown.stdout + shown.stderr
+
+
+def test_mj_launch_exits_with_the_exit_code_of_a_failed_job(
+    stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub, tmp_path: Path
+) -> None:
+    spec = tmp_path / "fails.yaml"
+    spec.write_text("name: fails\nrun: train\nsim: {runtime_seconds: 2, exit_code: 42}\n")
+    launched = mj(stack, "launch", str(spec))
+    job_id = job_id_of(launched)
+    list(follow(jobs, job_id))  # to DONE: the cleanup may still be going on
+    assert launched.returncode == 42, launched.stderr
+    assert f"Job {job_id} FAILED" in launched.stdout
 
 
 def test_zz_no_cluster_is_left_and_no_task_was_launched_twice(

@@ -29,6 +29,7 @@ from services.backends.base import (
     TaskEnd,
     TaskRequest,
     TaskStatus,
+    cluster_name,
 )
 from services.backends.local_users import (
     DEFAULT_RUN_AS,
@@ -55,6 +56,7 @@ __all__ = [
     "TaskRequest",
     "TaskStatus",
     "backend_settings",
+    "cluster_name",
     "make_backend",
 ]
 

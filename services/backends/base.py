@@ -9,6 +9,8 @@ is the client of the simulated cloud, `ssh` runs on pools of machines.
 Invariants every backend keeps:
 - A cluster's name identifies it across processes: any replica or the logs
   service can find a cluster from its `ClusterHandle` (a small JSON-able record).
+  Every backend names a task's cluster `cluster_name(job_id, task_id)`
+  (`mj-<job>-<task>`), the same for each of the task's attempts.
 - Launches and terminations are fenced by the caller's assignment epoch: a
   backend refuses (`StaleEpochError`) a launch or a terminate whose epoch is
   below the highest it has seen for the job, so a replica that lost a job can
@@ -32,6 +34,11 @@ import enum
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, ClassVar
+
+
+def cluster_name(job_id: int, task_id: int) -> str:
+    """The name of a task's cluster, the same for each of its attempts."""
+    return f"mj-{job_id}-{task_id}"
 
 
 class ClusterStatus(enum.Enum):

@@ -130,6 +130,21 @@ class Client:
             response = retrying(self._jobs().SubmitJob, request, timeout=self._timeout)
         return response.job_id
 
+    def submit_jobs(self, requests: list[job_service_pb2.SubmitJobRequest]) -> list[int]:
+        """Submits several jobs in one call, all or none; retried like `submit_job` when
+        every one of them has an idempotency key."""
+        keyed = all(request.idempotency_key for request in requests)
+        retrying = Retrying(
+            retry=retry_if_exception(_transient if keyed else _never),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            stop=stop_after_attempt(SUBMIT_ATTEMPTS),
+            reraise=True,
+        )
+        request = job_service_pb2.SubmitJobsRequest(jobs=requests)
+        with _calling(SCHEDULER, self.scheduler_address):
+            response = retrying(self._jobs().SubmitJobs, request, timeout=self._timeout)
+        return list(response.job_ids)
+
     def get_job(self, job_id: int) -> job_pb2.Job:
         with _calling(SCHEDULER, self.scheduler_address):
             response = self._jobs().GetJob(

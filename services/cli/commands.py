@@ -18,16 +18,8 @@ from managedjobs.v1 import job_pb2, job_service_pb2, log_service_pb2
 from services.cli import output, tables
 from services.cli.client import PAGE_SIZE, Client
 from services.cli.exit_codes import ExitCode, UsageError
+from services.cli.specs import read_spec
 from services.common.statuses import TERMINAL
-
-
-def _read_spec(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8") as spec:
-            return spec.read()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
-        raise UsageError(f"cannot read {path}: {reason}") from None
 
 
 def _write_logs(chunks: Iterable[bytes]) -> bool:
@@ -62,34 +54,78 @@ def _wait_until_finished(client: Client, job_id: int) -> job_pb2.Job:
 
 
 def launch(client: Client, args: argparse.Namespace) -> int:
-    """Submits a job and, unless detached, follows its logs to the end."""
-    request = job_service_pb2.SubmitJobRequest(
-        spec_yaml=_read_spec(args.file),
-        name=args.name or "",
-        priority=args.priority,
-        envs=dict(args.env),
-        user=args.user,
-        # A key of its own makes retrying the submission safe.
-        idempotency_key=args.idempotency_key or f"mj-launch-{uuid.uuid4()}",
-    )
-    job_id = client.submit_job(request)
-    print(f"Job {job_id} submitted.", flush=True)
+    """Submits one job per file and, unless detached, follows each one's logs to its end.
+
+    Several files go in one SubmitJobs call (all of them, or none). Each relative
+    `workdir` is made absolute against its file's folder first. The exit code is
+    the first job's (in the order of the files) that did not succeed: its own exit
+    code when it FAILED with one (`job_exit_code`), else 1.
+    """
+    key = args.idempotency_key or f"mj-launch-{uuid.uuid4()}"
+    several = len(args.files) > 1
+    requests = [
+        job_service_pb2.SubmitJobRequest(
+            spec_yaml=read_spec(path),
+            name=args.name or "",
+            priority=args.priority,
+            envs=dict(args.env),
+            user=args.user,
+            # A key of its own makes retrying the submission safe.
+            idempotency_key=f"{key}-{index}" if several else key,
+        )
+        for index, path in enumerate(args.files)
+    ]
+    job_ids = client.submit_jobs(requests) if several else [client.submit_job(requests[0])]
+    for job_id in job_ids:
+        print(f"Job {job_id} submitted.", flush=True)
     if args.detach:
         return ExitCode.OK
-    try:
-        if not _write_logs(
-            client.read_logs(log_service_pb2.ReadLogsRequest(job_id=job_id, follow=True))
-        ):
-            print(flush=True)
-        job = _wait_until_finished(client, job_id)
-    except KeyboardInterrupt:
-        print(
-            f"\nStopped following job {job_id}; it keeps running. Re-attach with: mj logs {job_id}",
-            file=sys.stderr,
-        )
-        return ExitCode.INTERRUPTED
+    code: int = ExitCode.OK
+    for job_id in job_ids:
+        try:
+            outcome = _follow_to_the_end(client, job_id)
+        except KeyboardInterrupt:
+            print(
+                f"\nStopped following job {job_id}; it keeps running. "
+                f"Re-attach with: mj logs {job_id}",
+                file=sys.stderr,
+            )
+            return ExitCode.INTERRUPTED
+        code = code or outcome
+    return code
+
+
+def _follow_to_the_end(client: Client, job_id: int) -> int:
+    """Streams the job's logs, then prints its outcome; its exit code."""
+    if not _write_logs(
+        client.read_logs(log_service_pb2.ReadLogsRequest(job_id=job_id, follow=True))
+    ):
+        print(flush=True)
+    job = _wait_until_finished(client, job_id)
     print(tables.outcome_line(job))
-    return ExitCode.OK if job.status == job_pb2.JOB_STATUS_SUCCEEDED else ExitCode.FAILED
+    return job_exit_code(job)
+
+
+_WITH_EXIT_CODE = (job_pb2.JOB_STATUS_FAILED, job_pb2.JOB_STATUS_FAILED_SETUP)
+
+
+def job_exit_code(job: job_pb2.Job) -> int:
+    """What `mj launch` exits with for a finished job.
+
+    0 when it SUCCEEDED. When it FAILED (or FAILED_SETUP) and the failing task's last
+    attempt has an exit code: that code, a death by signal N as 128+N (as a shell
+    reports it), clamped to 1..255. Otherwise 1.
+    """
+    if job.status == job_pb2.JOB_STATUS_SUCCEEDED:
+        return ExitCode.OK
+    if job.status in _WITH_EXIT_CODE:
+        failing = next((t for t in job.tasks if t.status in _WITH_EXIT_CODE), None)
+        attempts = sorted(failing.attempts, key=lambda a: a.attempt) if failing else []
+        if attempts and attempts[-1].HasField("exit_code"):
+            code = attempts[-1].exit_code
+            code = 128 - code if code < 0 else code
+            return min(max(code, 1), 255)
+    return ExitCode.FAILED
 
 
 def queue(client: Client, args: argparse.Namespace) -> int:
@@ -107,12 +143,21 @@ def queue(client: Client, args: argparse.Namespace) -> int:
 
 
 def status(client: Client, args: argparse.Namespace) -> int:
-    """Prints one job's details and its tasks."""
+    """Prints one job's details, its deadlines, its tasks and every task's attempts."""
     job = client.get_job(args.job_id)
-    output.print_fields(tables.job_fields(job, time.time()))
+    now = time.time()
+    output.print_fields(tables.job_fields(job, now) + tables.deadline_fields(job, now))
     if job.tasks:
         print()
         output.print_table(tables.TASK_HEADERS, tables.task_table(job))
+    notes = tables.task_notes(job, now)
+    if notes:
+        print()
+        print("\n".join(notes))
+    attempts = tables.attempt_table(job)
+    if attempts:
+        print()
+        output.print_table(tables.ATTEMPT_HEADERS, attempts)
     return ExitCode.OK
 
 
@@ -146,6 +191,8 @@ def logs(client: Client, args: argparse.Namespace) -> int:
     )
     if args.task is not None:
         request.task_id = args.task
+    if args.attempt is not None:
+        request.attempt = args.attempt
     _write_logs(client.read_logs(request))
     return ExitCode.OK
 

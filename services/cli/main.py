@@ -15,6 +15,9 @@ Exit codes, which scripts can trust:
 
     0    success; for `mj launch`, the job SUCCEEDED
     1    the job did not succeed, or a service answered with an error
+    N    `mj launch`: the job FAILED and its failing task's last attempt exited
+         with N (a death by signal S gives 128+S; clamped to 1..255); with
+         several files, the first job in file order that did not succeed decides
     2    usage: a bad command line, or a job file that cannot be read
     3    a service could not be reached (the message names its address)
     130  interrupted by Ctrl-C (`mj launch` leaves the job running)
@@ -165,7 +168,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         prog="mj",
         description="Run batch jobs on compute that can vanish.",
         epilog="Exit codes: 0 ok, 1 job failed or RPC error, 2 usage, 3 service unreachable, "
-        "130 interrupted.",
+        "130 interrupted; `mj launch` of a job that FAILED with an exit code exits with that "
+        "code (1..255).",
     )
     _add_settings(parser, SETTINGS, environ)
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -182,9 +186,18 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         _add_settings(sub, [s for s in SETTINGS if not (name == "queue" and s is USER)], None)
         return sub
 
-    launch = command("launch", commands.launch, "submit a job and follow its logs")
-    launch.add_argument("file", metavar="FILE.yaml", help="SkyPilot task YAML; documents chain")
-    launch.add_argument("--name", help="job name, overriding the spec's")
+    launch = command("launch", commands.launch, "submit jobs and follow their logs")
+    launch.epilog = (
+        "Several files are submitted together (all or none), one job each, and followed in "
+        "turn. A relative workdir is taken relative to its file's folder. Exit code: 0 when "
+        "every job SUCCEEDED; else the first unsuccessful job's: its exit code when it FAILED "
+        "with one (its failing task's last attempt; a death by signal S gives 128+S; clamped "
+        "to 1..255), else 1. Connection flags: see `mj --help`."
+    )
+    launch.add_argument(
+        "files", nargs="+", metavar="FILE.yaml", help="SkyPilot task YAML; documents chain"
+    )
+    launch.add_argument("--name", help="job name, overriding the spec's (every job's)")
     launch.add_argument("--priority", type=int, default=0, help="higher runs first")
     launch.add_argument(
         "--env",
@@ -195,7 +208,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="environment variable for every task (repeatable)",
     )
     launch.add_argument("--detach", action="store_true", help="print the job id and return")
-    launch.add_argument("--idempotency-key", help="a repeat with this key returns the first job")
+    launch.add_argument(
+        "--idempotency-key",
+        help="a repeat with this key returns the first job (with several files: KEY-0, KEY-1...)",
+    )
 
     queue = command("queue", commands.queue, "list jobs")
     owners = queue.add_mutually_exclusive_group()
@@ -224,6 +240,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     logs = command("logs", commands.logs, "stream a task's logs")
     logs.add_argument("job_id", type=_positive_int, metavar="ID")
     logs.add_argument("--task", type=_count, metavar="N", help="task index (default: current)")
+    logs.add_argument(
+        "--attempt",
+        type=_positive_int,
+        metavar="N",
+        help="only this attempt of the task (1, then one more per recovery or restart)",
+    )
     logs.add_argument(
         "--follow",
         action=argparse.BooleanOptionalAction,

@@ -4,7 +4,9 @@ Each function takes `now` (seconds since the epoch) instead of reading the
 clock, so a test can pin every cell. Layout follows `sky jobs queue`: a job with
 one task is one row; a chain is a row for the job and an indented `↳` row per
 task. Durations read like SkyPilot's (`1h 2m 5s`, `2 mins ago`); `-` stands
-for "not applicable" or "not yet".
+for "not applicable" or "not yet". A deadline (SPEC §18) counts from its own
+start (submission, the job's start, a task's first start) and shows the time
+left, or how it went once its clock stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +30,16 @@ TASK_HEADERS = [
     "#RECOVERIES",
     "#RESTARTS",
     "FAILURE REASON",
+]
+ATTEMPT_HEADERS = [
+    "TASK",
+    "ATTEMPT",
+    "CLUSTER",
+    "REGION",
+    "STARTED",
+    "ENDED",
+    "EXIT CODE",
+    "OUTCOME",
 ]
 REPLICA_HEADERS = [
     "REPLICA",
@@ -231,6 +243,82 @@ def task_table(job: job_pb2.Job) -> list[list[str]]:
         ]
         for task in job.tasks
     ]
+
+
+def attempt_table(job: job_pb2.Job) -> list[list[str]]:
+    """Every attempt of every task (`mj status`), under `ATTEMPT_HEADERS`."""
+    return [
+        [
+            str(task.task_id),
+            str(attempt.attempt),
+            or_none(attempt.cluster_name),
+            or_none(attempt.region),
+            format_time(seconds(attempt.start_time)),
+            format_time(seconds(attempt.end_time)),
+            str(attempt.exit_code) if attempt.HasField("exit_code") else NONE,
+            or_none(" ".join(attempt.outcome.split())),
+        ]
+        for task in job.tasks
+        for attempt in sorted(task.attempts, key=lambda a: a.attempt)
+    ]
+
+
+def countdown(limit: float, start: float | None, end: float | None, now: float) -> str:
+    """A deadline `limit` seconds after `start`: how much is left, or how it went.
+
+    `end` is when the clock stopped (the thing measured ended): `ran 5m`. Before
+    `start` nothing is counting: `not started`.
+    """
+    if start is None:
+        return "not started"
+    if end is not None:
+        return f"ran {format_duration(end - start)}"
+    left = start + limit - now
+    if left >= 0:
+        return f"{format_duration(left)} left"
+    return f"over by {format_duration(-left)}"
+
+
+def deadline_fields(job: job_pb2.Job, now: float) -> list[tuple[str, str]]:
+    """The job's own deadlines (SPEC §18) for `mj status`, each with the time left."""
+    fields = []
+    timeouts = job.timeouts
+    submitted = seconds(job.submit_time)
+    started = seconds(job.start_time)
+    ended = seconds(job.end_time)
+    if timeouts.HasField("max_pending_seconds"):
+        limit = timeouts.max_pending_seconds
+        if started is not None and submitted is not None:
+            state = f"met: started after {format_duration(started - submitted)}"
+        elif ended is not None:
+            state = "never started"
+        else:
+            state = countdown(limit, submitted, None, now)
+        fields.append(("Max pending", f"{format_duration(limit)} from submission ({state})"))
+    if timeouts.HasField("max_duration_seconds"):
+        limit = timeouts.max_duration_seconds
+        state = countdown(limit, started, ended, now)
+        fields.append(("Max duration", f"{format_duration(limit)} from the job's start ({state})"))
+    return fields
+
+
+def task_notes(job: job_pb2.Job, now: float) -> list[str]:
+    """Per task, what `mj status` says below the task table: its condition (e.g. its
+    cluster is unreachable, and for how long) and its max_duration with the time left."""
+    notes = []
+    for task in job.tasks:
+        if task.condition:
+            since = seconds(task.condition_time)
+            lasting = f" (for {format_duration(now - since)})" if since is not None else ""
+            notes.append(f"Task {task.task_id}: {' '.join(task.condition.split())}{lasting}")
+        if task.HasField("max_duration_seconds"):
+            limit = task.max_duration_seconds
+            state = countdown(limit, seconds(task.start_time), seconds(task.end_time), now)
+            notes.append(
+                f"Task {task.task_id}: max duration {format_duration(limit)} "
+                f"from its first start ({state})"
+            )
+    return notes
 
 
 def event_line(event: job_pb2.JobEvent) -> str:

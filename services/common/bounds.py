@@ -21,11 +21,16 @@ import reprlib
 __all__ = [
     "MAX_ENV_BYTES",
     "MAX_ENV_KEYS",
+    "MAX_HANDLE_BYTES",
     "MAX_IDENTIFIER_CHARS",
     "MAX_INT32",
     "MAX_INT64",
     "MAX_JOB_BYTES",
+    "MAX_JSON_DEPTH",
+    "MAX_LOG_BATCH_LINES",
+    "MAX_LOG_LINE_BYTES",
     "MAX_SPEC_BYTES",
+    "MAX_TAIL_LINES",
     "MAX_TASKS",
     "MAX_YAML_DEPTH",
     "QUOTE_LIMIT",
@@ -34,6 +39,7 @@ __all__ = [
     "check_identifier",
     "check_pool",
     "check_user",
+    "json_depth",
     "quote",
 ]
 
@@ -56,6 +62,14 @@ MAX_ENV_BYTES = 256 * 1024
 # A parsed job (every TaskSpec serialized, plus its secrets). Half the 4 MiB gRPC
 # message limit, so an assignment carrying the whole job plus its envelope always fits.
 MAX_JOB_BYTES = 2 * 1024 * 1024
+
+# Logs RPCs: lines in one AppendControllerLogs call, and UTF-8 bytes in one line; lines
+# ReadLogs may be asked to tail; a cluster handle's JSON and how deep it may nest.
+MAX_LOG_BATCH_LINES = 1000
+MAX_LOG_LINE_BYTES = 16 * 1024
+MAX_TAIL_LINES = 100_000
+MAX_HANDLE_BYTES = 16 * 1024
+MAX_JSON_DEPTH = 16
 
 MAX_IDENTIFIER_CHARS = 64
 _IDENTIFIER_RE = re.compile(r"[a-z0-9._-]+")
@@ -101,6 +115,32 @@ def quote(value: object, limit: int = QUOTE_LIMIT) -> str:
         return text
     text = _REPR.repr(value)
     return text if len(text) <= limit else f"{text[:limit]}..."
+
+
+_JSON_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def json_depth(text: str) -> int:
+    """How deeply JSON text nests arrays and objects, counted without parsing it.
+
+    Parsers recurse once per level, so a document nested thousands deep must be
+    refused before it is parsed. Brackets inside strings do not count; the text
+    need not be valid JSON (the parser says what is wrong with it afterwards).
+
+    Args:
+        text: The JSON text.
+
+    Returns:
+        The deepest nesting: 0 for a scalar, 1 for ``[]`` or ``{"a": 1}``.
+    """
+    deepest = depth = 0
+    for char in _JSON_STRING_RE.sub("", text):
+        if char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth = max(0, depth - 1)
+    return deepest
 
 
 def check_identifier(value: str, field: str, *, allow_empty: bool = False) -> str:

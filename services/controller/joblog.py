@@ -7,6 +7,12 @@ jobs finishing together share the same shipments instead of queueing behind
 each other. A fetch is retried a few times; if the logs service stays away the
 teardown goes ahead (the job must not leak a cluster because logs could not be
 saved), and the lifecycle log says so.
+
+Every line and fetch carries the job's epoch: the logs service takes them only
+from the replica holding the job at that epoch. Lines it refuses (the job moved
+to another replica meanwhile) are dropped, never retried: no retry could make
+them acceptable, and a batch stuck on them would hold back every other job's.
+Lines are cut to `MAX_LINE_CHARS` characters so no line can get a batch refused.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import grpc
 from managedjobs.v1 import log_service_pb2 as pb
 from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import ClusterHandle
+from services.common.bounds import MAX_LOG_LINE_BYTES
 from services.common.channels import ClientSecurity, open_channel
 
 log = logging.getLogger(__name__)
@@ -27,6 +34,16 @@ log = logging.getLogger(__name__)
 BATCH_LINES = 500
 FETCH_ATTEMPTS = 3
 SHIP_WAIT = 2.0
+# Within the service's bound on a line's bytes (MAX_LOG_LINE_BYTES) even at 4 bytes a character.
+MAX_LINE_CHARS = MAX_LOG_LINE_BYTES // 4 - 64
+# Answers that say the request itself is wrong: retrying the same one cannot help.
+_FINAL = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+    }
+)
 
 
 class LogsClient:
@@ -48,9 +65,13 @@ class LogsClient:
     def start(self) -> None:
         self._task = asyncio.create_task(self._ship(), name="controller-log-shipper")
 
-    def note(self, job_id: int, message: str) -> None:
+    def note(self, job_id: int, epoch: int, message: str) -> None:
+        """Queues a lifecycle line of a job held at `epoch`."""
         stamp = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
-        self._lines.append(pb.ControllerLogLine(job_id=job_id, line=f"{stamp} {message}\n"))
+        if len(message) > MAX_LINE_CHARS:
+            message = message[:MAX_LINE_CHARS] + " [cut]"
+        line = f"{stamp} {message}\n"
+        self._lines.append(pb.ControllerLogLine(job_id=job_id, line=line, epoch=epoch))
         self._noted += 1
         self._wake.set()
 
@@ -86,16 +107,28 @@ class LogsClient:
         while self._lines:
             batch, self._lines = self._lines[:BATCH_LINES], self._lines[BATCH_LINES:]
             try:
-                await self._stub.AppendControllerLogs(
+                response = await self._stub.AppendControllerLogs(
                     pb.AppendControllerLogsRequest(lines=batch), timeout=10
                 )
             except grpc.aio.AioRpcError as error:
+                if error.code() in _FINAL:
+                    log.warning(
+                        "lifecycle log lines refused",
+                        extra={"code": error.code().name, "error": error.details()},
+                    )
+                    self._advance(len(batch))
+                    continue
                 # Keep the lines for the next try; drop the oldest past a bound.
                 kept = (batch + self._lines)[-100_000:]
                 self._advance(len(batch) + len(self._lines) - len(kept))
                 self._lines = kept
                 log.warning("cannot ship lifecycle logs", extra={"code": error.code().name})
                 return
+            for refused in response.refused:
+                log.info(
+                    "lifecycle log lines refused",
+                    extra={"job_id": refused.job_id, "code": refused.code},
+                )
             self._advance(len(batch))
 
     def _advance(self, count: int) -> None:
@@ -107,26 +140,43 @@ class LogsClient:
         self._progressed = asyncio.Event()
 
     async def fetch(
-        self, job_id: int, task_id: int, epoch: int, handle: ClusterHandle, attempt: int = 0
+        self, job_id: int, task_id: int, epoch: int, handle: ClusterHandle, attempt: int
     ) -> bool:
-        """Has the logs service copy an attempt's logs off the cluster; False if it could not."""
+        """Has the logs service copy an attempt's logs off the cluster; False if it could not.
+
+        Args:
+            job_id: The job, held by this replica at `epoch`.
+            task_id: The task whose cluster `handle` is.
+            epoch: The job's assignment epoch.
+            handle: The cluster, about to be torn down.
+            attempt: Which attempt of the task ran on it (1, then one more per recovery
+                or restart).
+        """
         request = pb.FetchTaskLogsRequest(
             job_id=job_id,
             task_id=task_id,
             cluster_name=handle.cluster_name,
             handle_json=handle.to_json(),
             epoch=epoch,
+            attempt=attempt,
         )
-        for attempt in range(1, FETCH_ATTEMPTS + 1):
+        for tries in range(1, FETCH_ATTEMPTS + 1):
             try:
                 await self._stub.FetchTaskLogs(request, timeout=60)
                 return True
             except grpc.aio.AioRpcError as error:
                 log.warning(
                     "log fetch failed",
-                    extra={"job_id": job_id, "attempt": attempt, "code": error.code().name},
+                    extra={
+                        "job_id": job_id,
+                        "attempt": attempt,
+                        "try": tries,
+                        "code": error.code().name,
+                    },
                 )
-                await asyncio.sleep(0.5 * attempt)
+                if error.code() in _FINAL:
+                    return False
+                await asyncio.sleep(0.5 * tries)
         return False
 
     async def close(self) -> None:

@@ -59,6 +59,7 @@ from services.backends import (
     TaskEnd,
     TaskRequest,
     TaskStatus,
+    cluster_name,
 )
 from services.common.statuses import TASK_TRANSITIONS, TERMINAL, IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
@@ -120,10 +121,6 @@ class JobHost(Protocol):
 
 class CleanupFailed(Exception):
     """A cluster could not be terminated: resources may have leaked (FAILED_CONTROLLER)."""
-
-
-def cluster_name(job_id: int, task_id: int) -> str:
-    return f"mj-{job_id}-{task_id}"
 
 
 def task_request(

@@ -188,7 +188,7 @@ class JobRunner:
             await earlier
 
     def note(self, message: str) -> None:
-        self.replica.logs.note(self.job_id, message)
+        self.replica.logs.note(self.job_id, self.epoch, message)
 
     async def fetch_logs(self, task_id: int, handle: ClusterHandle, attempt: int) -> None:
         if not await self.replica.logs.fetch(self.job_id, task_id, self.epoch, handle, attempt):

@@ -34,6 +34,7 @@ from services.common.settings import (
 )
 from services.common.tls import TlsConfigError
 from services.logs.directory import JobDirectory
+from services.logs.holders import Holders
 from services.logs.service import LogServicer
 from services.logs.store import LogStore
 
@@ -49,6 +50,14 @@ TAIL_POLL_INTERVAL = Setting(
     "seconds between reads of a live local cluster's log files while tailing",
     float,
 )
+HOLDER_CACHE_SECONDS = Setting(
+    "holder_cache_seconds",
+    "MJ_LOGS_HOLDER_CACHE_SECONDS",
+    5.0,
+    "seconds the scheduler's word on which replica holds a job is trusted before asking "
+    "again (a replica that lost a job may append to its log this long, at most)",
+    float,
+)
 SETTINGS = (
     PORT,
     HOST,
@@ -62,6 +71,7 @@ SETTINGS = (
     LOG_LEVEL,
     SHUTDOWN_GRACE,
     TAIL_POLL_INTERVAL,
+    HOLDER_CACHE_SECONDS,
 )
 
 
@@ -82,7 +92,8 @@ async def serve(args: argparse.Namespace, security: ServerSecurity, client: Clie
     data_dir = Path(args.data_dir)
     backend = make_backend(args.backend, vars(args))
     directory = JobDirectory(args.scheduler_address, client)
-    servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend)
+    holders = Holders(directory, ttl=args.holder_cache_seconds)
+    servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend, holders=holders)
     server = Server(args.host, args.port, security=security)
     server.add(log_service_pb2_grpc.add_LogServiceServicer_to_server, servicer, SERVICE_NAME)
     try:

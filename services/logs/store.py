@@ -3,21 +3,28 @@
 Layout under the store's root (`<data_dir>/logs`):
 
     <job_id>/task-<task_id>.log            every fetched attempt of the task, in order
-    <job_id>/task-<task_id>.sections.json  where each attempt (cluster) starts and ends
+    <job_id>/task-<task_id>.sections.json  where each attempt starts and ends
     <job_id>/controller.log                the job's lifecycle lines, appended
+
+A task's attempts are numbered 1, then one more per recovery or restart (SPEC §18);
+the number is what a stored copy is known by, since every attempt of a task runs on
+a cluster of the same name.
 
 Invariants:
 - A task log is only ever replaced whole (temp file + `os.replace`, the log before
   its index), so a reader sees an old or a new copy, never a torn one, and an index
   never points past the end of the log it describes.
-- Attempts are joined with `separator()`, exactly as a live follower joins the
-  clusters it tails, so "byte N of this cluster's log" means the same thing live
-  and in the stored copy: a follower can switch to the stored copy without
-  repeating or skipping bytes.
-- A fetch with a key already stored replaces that attempt's section (a retried
-  fetch is idempotent); a new key appends a section (a recovered task keeps the
-  logs of its earlier clusters).
+- Attempts are kept in the order of their numbers, whatever order they were fetched
+  in, and joined with `separator()`, exactly as a live follower joins the clusters
+  it tails, so "byte N of this attempt's log" means the same thing live and in the
+  stored copy: a follower can switch to the stored copy without repeating or
+  skipping bytes.
+- A fetch of an attempt already stored replaces that attempt's section (a retried
+  fetch is idempotent); a new attempt adds a section (a recovered task keeps the
+  logs of its earlier attempts).
 - Every write wakes the job's waiters (`changed`), so followers never poll the disk.
+- Nothing here checks who may write: the service does, before it calls the store,
+  so a refused request never creates a folder.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 CHUNK_BYTES = 64 * 1024
 RECOVERED_MARKER = b"[managed-jobs] task recovered on a new cluster\n"
@@ -61,12 +69,16 @@ def chunks(data: bytes) -> Iterator[bytes]:
 
 @dataclasses.dataclass(frozen=True)
 class Section:
-    """The bytes of one attempt (one cluster) inside a task's stored log."""
+    """The bytes of one attempt inside a task's stored log."""
 
-    key: str
+    attempt: int
     cluster_name: str
     offset: int
     size: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,11 +93,22 @@ class TaskLog:
         last = self.sections[-1] if self.sections else None
         return last.offset + last.size if last else 0
 
-    def last_for(self, cluster_name: str) -> Section | None:
-        """The latest section fetched from `cluster_name`, if any."""
-        for section in reversed(self.sections):
-            if section.cluster_name == cluster_name:
+    def section(self, attempt: int) -> Section | None:
+        """The stored copy of attempt `attempt`, if any."""
+        for section in self.sections:
+            if section.attempt == attempt:
                 return section
+        return None
+
+    def start_of(self, attempt: int) -> int | None:
+        """Where attempt `attempt`'s bytes (stored, or to come) begin; None after the last.
+
+        That is the offset of the first section of this attempt or a later one: what
+        comes before it is the earlier attempts, separators included.
+        """
+        for section in self.sections:
+            if section.attempt >= attempt:
+                return section.offset
         return None
 
 
@@ -145,16 +168,15 @@ class LogStore:
         except FileNotFoundError:
             if not path.exists():
                 return None
-            # A log without an index: one section of unknown origin.
+            # A log without an index: one attempt of unknown origin.
             size = path.stat().st_size
-            return TaskLog(path, (Section("", "", 0, size),))
-        sections = tuple(Section(**item) for item in raw["sections"])
-        return TaskLog(path, sections)
+            return TaskLog(path, (Section(1, "", 0, size),))
+        return TaskLog(path, _sections(raw["sections"]))
 
     async def save_task_attempt(
-        self, job_id: int, task_id: int, cluster_name: str, key: str, data: bytes
+        self, job_id: int, task_id: int, attempt: int, cluster_name: str, data: bytes
     ) -> int:
-        """Stores one cluster's logs of a task, replacing an earlier fetch with the same key."""
+        """Stores one attempt's logs of a task, replacing an earlier copy of that attempt."""
         lock = self._locks.get((job_id, task_id))
         if lock is None:
             lock = asyncio.Lock()
@@ -165,7 +187,7 @@ class LogStore:
                 _rewrite,
                 current,
                 self.task_path(job_id, task_id),
-                Section(key, cluster_name, 0, len(data)),
+                Section(attempt, cluster_name, 0, len(data)),
                 data,
             )
         self._notify(job_id)
@@ -190,21 +212,28 @@ class LogStore:
     def read_bytes(self, path: Path, start: int, end: int) -> bytes:
         return b"".join(self.read_range(path, start, end))
 
-    def tail_offset(self, path: Path, lines: int) -> int:
-        """Offset where a file's last `lines` lines begin (0 when `lines` <= 0 or no file)."""
+    def tail_offset(self, path: Path, lines: int, start: int = 0, end: int | None = None) -> int:
+        """Offset where the last `lines` lines of bytes [start, end) of a file begin.
+
+        `start` when `lines` <= 0, when there are no more lines than that, or when there
+        is no file; `end` defaults to the end of the file.
+        """
         if lines <= 0:
-            return 0
+            return start
         try:
             size = path.stat().st_size
         except FileNotFoundError:
-            return 0
+            return start
+        end = size if end is None else min(end, size)
+        if end <= start:
+            return start
         with path.open("rb") as file:
             # A final newline ends the last line rather than starting another one.
-            file.seek(max(0, size - 1))
-            position = size - 1 if file.read(1) == b"\n" else size
+            file.seek(end - 1)
+            position = end - 1 if file.read(1) == b"\n" else end
             remaining = lines
-            while position > 0:
-                block_start = max(0, position - CHUNK_BYTES)
+            while position > start:
+                block_start = max(start, position - CHUNK_BYTES)
                 file.seek(block_start)
                 block = file.read(position - block_start)
                 found = len(block)
@@ -213,24 +242,35 @@ class LogStore:
                     if remaining == 0:
                         return block_start + found + 1
                 position = block_start
-        return 0
+        return start
 
 
 def _index_path(log_path: Path) -> Path:
     return log_path.with_suffix(".sections.json")
 
 
+def _sections(items: list[dict[str, Any]]) -> tuple[Section, ...]:
+    """The sections of an index; an index written before attempts were numbered has them
+    in fetch order, which is taken as their numbers."""
+    return tuple(
+        Section(
+            attempt=int(item.get("attempt", number)),
+            cluster_name=str(item.get("cluster_name", "")),
+            offset=int(item["offset"]),
+            size=int(item["size"]),
+        )
+        for number, item in enumerate(items, start=1)
+    )
+
+
 def _rewrite(current: TaskLog | None, path: Path, new: Section, data: bytes) -> None:
-    """Writes the task log with `new` replacing its key's section or appended, atomically."""
+    """Writes the task log with `new` replacing its attempt's section or added, atomically."""
     parts: list[tuple[Section, bytes]] = []
     if current is not None:
         old = path.read_bytes()
-        parts = [(s, old[s.offset : s.offset + s.size]) for s in current.sections]
-    keys = [section.key for section, _ in parts]
-    if new.key in keys:
-        parts[keys.index(new.key)] = (new, data)
-    else:
-        parts.append((new, data))
+        parts = [(s, old[s.offset : s.end]) for s in current.sections if s.attempt != new.attempt]
+    parts.append((new, data))
+    parts.sort(key=lambda part: part[0].attempt)
     content = bytearray()
     sections = []
     for index, (section, body) in enumerate(parts):

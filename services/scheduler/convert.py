@@ -53,6 +53,8 @@ def task_message(row: TaskLike, with_spec: bool) -> job_pb2.Task:
         condition=row.condition,
         condition_time=timestamp(row.condition_time),
     )
+    if row.max_duration_seconds is not None:
+        task.max_duration_seconds = row.max_duration_seconds
     if with_spec:
         task.spec.ParseFromString(row.spec)
     return task
@@ -76,6 +78,7 @@ def job_message(row: JobLike, tasks: Iterable[TaskLike], with_specs: bool = Fals
         recovery_count=row.recovery_count,
         failure_reason=row.failure_reason,
         controller_id=row.controller_id or "",
+        epoch=row.epoch,
         current_task_id=row.current_task,
         wait_reason=row.wait_reason,
         cancel_requested=row.cancel_requested,

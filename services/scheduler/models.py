@@ -15,6 +15,7 @@ from sqlalchemy import (
     BigInteger,
     DateTime,
     Enum,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -115,6 +116,8 @@ class TaskRow(Base):
     condition_time: Mapped[dt.datetime | None] = mapped_column(
         DateTime(timezone=True), nullable=True
     )
+    # The spec's max_duration, kept apart so that GetJob can show it without the spec.
+    max_duration_seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class AttemptRow(Base):

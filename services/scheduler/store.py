@@ -650,4 +650,7 @@ def _task_values(job_id: int, task_id: int, spec: job_pb2.TaskSpec) -> dict[str,
         "restart_count": 0,
         "failure_reason": "",
         "condition": "",
+        "max_duration_seconds": (
+            spec.max_duration_seconds if spec.HasField("max_duration_seconds") else None
+        ),
     }

@@ -418,6 +418,7 @@ class Task(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _builtins.int
     CONDITION_FIELD_NUMBER: _builtins.int
     CONDITION_TIME_FIELD_NUMBER: _builtins.int
+    MAX_DURATION_SECONDS_FIELD_NUMBER: _builtins.int
     task_id: _builtins.int
     name: _builtins.str
     status: Global___JobStatus.ValueType
@@ -431,6 +432,10 @@ class Task(_message.Message):
     condition: _builtins.str
     """Something about the running task worth knowing that does not change its status,
     e.g. "mj-3-0 unreachable since 12:00:01 (host 127.0.1.2 does not answer)"; empty: none.
+    """
+    max_duration_seconds: _builtins.float
+    """The task's max_duration (its spec's max_duration_seconds), counted from start_time;
+    returned even when the spec is not. Unset: none.
     """
     @_builtins.property
     def start_time(self) -> _timestamp_pb2.Timestamp: ...
@@ -462,12 +467,15 @@ class Task(_message.Message):
         attempts: _abc.Iterable[Global___Attempt] | None = ...,
         condition: _builtins.str = ...,
         condition_time: _timestamp_pb2.Timestamp | None = ...,
+        max_duration_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["condition_time", b"condition_time", "end_time", b"end_time", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_duration_seconds", b"_max_duration_seconds", "condition_time", b"condition_time", "end_time", b"end_time", "max_duration_seconds", b"max_duration_seconds", "spec", b"spec", "start_time", b"start_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempts", b"attempts", "cluster_name", b"cluster_name", "condition", b"condition", "condition_time", b"condition_time", "end_time", b"end_time", "failure_reason", b"failure_reason", "name", b"name", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_duration_seconds", b"_max_duration_seconds", "attempts", b"attempts", "cluster_name", b"cluster_name", "condition", b"condition", "condition_time", b"condition_time", "end_time", b"end_time", "failure_reason", b"failure_reason", "max_duration_seconds", b"max_duration_seconds", "name", b"name", "recovery_count", b"recovery_count", "region", b"region", "resources", b"resources", "restart_count", b"restart_count", "spec", b"spec", "start_time", b"start_time", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__max_duration_seconds: _TypeAlias = _typing.Literal["max_duration_seconds"]  # noqa: Y015
+    _WhichOneofArgType__max_duration_seconds: _TypeAlias = _typing.Literal["_max_duration_seconds", b"_max_duration_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_duration_seconds) -> _WhichOneofReturnType__max_duration_seconds | None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
 
@@ -493,6 +501,7 @@ class Job(_message.Message):
     WAIT_REASON_FIELD_NUMBER: _builtins.int
     CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
     TIMEOUTS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     name: _builtins.str
     user: _builtins.str
@@ -508,6 +517,10 @@ class Job(_message.Message):
     wait_reason: _builtins.str
     """Why the job is not moving, e.g. "waiting for a launch slot"."""
     cancel_requested: _builtins.bool
+    epoch: _builtins.int
+    """The epoch of the job's latest assignment (to `controller_id` while it holds the job;
+    0: never assigned). Replicas fence their calls with it.
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___Task]: ...
     @_builtins.property
@@ -541,10 +554,11 @@ class Job(_message.Message):
         wait_reason: _builtins.str = ...,
         cancel_requested: _builtins.bool = ...,
         timeouts: Global___JobTimeouts | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["end_time", b"end_time", "start_time", b"start_time", "submit_time", b"submit_time", "timeouts", b"timeouts"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "controller_id", b"controller_id", "current_task_id", b"current_task_id", "end_time", b"end_time", "failure_reason", b"failure_reason", "job_id", b"job_id", "name", b"name", "pool", b"pool", "priority", b"priority", "recovery_count", b"recovery_count", "schedule_state", b"schedule_state", "start_time", b"start_time", "status", b"status", "submit_time", b"submit_time", "tasks", b"tasks", "timeouts", b"timeouts", "user", b"user", "wait_reason", b"wait_reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "controller_id", b"controller_id", "current_task_id", b"current_task_id", "end_time", b"end_time", "epoch", b"epoch", "failure_reason", b"failure_reason", "job_id", b"job_id", "name", b"name", "pool", b"pool", "priority", b"priority", "recovery_count", b"recovery_count", "schedule_state", b"schedule_state", "start_time", b"start_time", "status", b"status", "submit_time", b"submit_time", "tasks", b"tasks", "timeouts", b"timeouts", "user", b"user", "wait_reason", b"wait_reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,6 +27,7 @@ class ReadLogsRequest(_message.Message):
     FOLLOW_FIELD_NUMBER: _builtins.int
     TAIL_LINES_FIELD_NUMBER: _builtins.int
     CONTROLLER_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     task_id: _builtins.int
     """Task index; the job's current task when unset."""
@@ -35,6 +36,10 @@ class ReadLogsRequest(_message.Message):
     """Only the last N lines; all when 0."""
     controller: _builtins.bool
     """The controller's lifecycle log instead of the task's."""
+    attempt: _builtins.int
+    """Only this attempt of the task (1, then one more per recovery or restart): its stored
+    copy, or its cluster while it is the current one. Unset: every attempt, joined.
+    """
     def __init__(
         self,
         *,
@@ -43,13 +48,19 @@ class ReadLogsRequest(_message.Message):
         follow: _builtins.bool = ...,
         tail_lines: _builtins.int = ...,
         controller: _builtins.bool = ...,
+        attempt: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_task_id", b"_task_id", "task_id", b"task_id"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_task_id", b"_task_id", "attempt", b"attempt", "task_id", b"task_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_task_id", b"_task_id", "controller", b"controller", "follow", b"follow", "job_id", b"job_id", "tail_lines", b"tail_lines", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_attempt", b"_attempt", "_task_id", b"_task_id", "attempt", b"attempt", "controller", b"controller", "follow", b"follow", "job_id", b"job_id", "tail_lines", b"tail_lines", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__attempt: _TypeAlias = _typing.Literal["attempt"]  # noqa: Y015
+    _WhichOneofArgType__attempt: _TypeAlias = _typing.Literal["_attempt", b"_attempt"]  # noqa: Y015
     _WhichOneofReturnType__task_id: _TypeAlias = _typing.Literal["task_id"]  # noqa: Y015
     _WhichOneofArgType__task_id: _TypeAlias = _typing.Literal["_task_id", b"_task_id"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__attempt) -> _WhichOneofReturnType__attempt | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__task_id) -> _WhichOneofReturnType__task_id | None: ...
 
 Global___ReadLogsRequest: _TypeAlias = ReadLogsRequest  # noqa: Y015
@@ -88,12 +99,17 @@ class FetchTaskLogsRequest(_message.Message):
     CLUSTER_NAME_FIELD_NUMBER: _builtins.int
     HANDLE_JSON_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     task_id: _builtins.int
     cluster_name: _builtins.str
+    """The task's cluster, `mj-<job_id>-<task_id>`; may be left empty when handle_json names it."""
     handle_json: _builtins.str
-    """Backend handle of the cluster, as JSON."""
+    """Backend handle of the cluster, as JSON (at most 16 KiB)."""
     epoch: _builtins.int
+    """The epoch at which the calling replica holds the job."""
+    attempt: _builtins.int
+    """The attempt whose logs these are (>= 1); a repeat of the same attempt replaces its copy."""
     def __init__(
         self,
         *,
@@ -102,10 +118,11 @@ class FetchTaskLogsRequest(_message.Message):
         cluster_name: _builtins.str = ...,
         handle_json: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        attempt: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "epoch", b"epoch", "handle_json", b"handle_json", "job_id", b"job_id", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt", b"attempt", "cluster_name", b"cluster_name", "epoch", b"epoch", "handle_json", b"handle_json", "job_id", b"job_id", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -136,17 +153,22 @@ class ControllerLogLine(_message.Message):
 
     JOB_ID_FIELD_NUMBER: _builtins.int
     LINE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.int
     line: _builtins.str
+    """At most 16 KiB of UTF-8."""
+    epoch: _builtins.int
+    """The epoch at which the calling replica holds the job."""
     def __init__(
         self,
         *,
         job_id: _builtins.int = ...,
         line: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "line", b"line"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "line", b"line"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -158,7 +180,9 @@ class AppendControllerLogsRequest(_message.Message):
 
     LINES_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def lines(self) -> _containers.RepeatedCompositeFieldContainer[Global___ControllerLogLine]: ...
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[Global___ControllerLogLine]:
+        """At most 1,000 lines, of any number of jobs."""
+
     def __init__(
         self,
         *,
@@ -174,15 +198,59 @@ Global___AppendControllerLogsRequest: _TypeAlias = AppendControllerLogsRequest  
 
 @_typing.final
 class AppendControllerLogsResponse(_message.Message):
+    """Lines of jobs the caller does not hold (or that do not exist) are not stored; the lines
+    of the other jobs are. A call none of whose lines could be stored fails instead
+    (NOT_FOUND or PERMISSION_DENIED).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
+
+    LINES_STORED_FIELD_NUMBER: _builtins.int
+    REFUSED_FIELD_NUMBER: _builtins.int
+    lines_stored: _builtins.int
+    """Lines stored."""
+    @_builtins.property
+    def refused(self) -> _containers.RepeatedCompositeFieldContainer[Global___RefusedJob]:
+        """The jobs whose lines were refused, each once."""
 
     def __init__(
         self,
+        *,
+        lines_stored: _builtins.int = ...,
+        refused: _abc.Iterable[Global___RefusedJob] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lines_stored", b"lines_stored", "refused", b"refused"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AppendControllerLogsResponse: _TypeAlias = AppendControllerLogsResponse  # noqa: Y015
+
+@_typing.final
+class RefusedJob(_message.Message):
+    """Why a job's lines were refused."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.int
+    code: _builtins.str
+    """The gRPC status code name, e.g. "NOT_FOUND" or "PERMISSION_DENIED"."""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.int = ...,
+        code: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "job_id", b"job_id", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RefusedJob: _TypeAlias = RefusedJob  # noqa: Y015

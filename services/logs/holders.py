@@ -1,0 +1,162 @@
+"""Which replica holds a job: the check behind the logs RPCs only replicas call (SPEC §14).
+
+A controller may fetch a task's logs and append lifecycle lines only for jobs
+assigned to it at the epoch it gives. The scheduler is the one that knows (GetJob's
+`controller_id` and `epoch`); asking it for every batch of lifecycle lines would cost
+one GetJob per job per batch, so its answers are kept for a short while:
+
+- a claim (job, controller, epoch) matching an answer younger than `ttl` is accepted
+  without asking;
+- a claim with an epoch older than the one last seen is refused without asking, since
+  a job's epoch only ever grows;
+- anything else (no answer yet, an old one, a newer epoch, another controller) asks
+  the scheduler again and judges by its fresh answer.
+
+So a replica that lost a job can go on appending for at most `ttl` seconds after the
+move, and only until the job's new holder first calls. Jobs that do not exist are
+never remembered (a later submission may create them). The cache is bounded
+(least recently used answers go first), and lookups of many jobs run concurrently,
+at most `concurrency` at a time.
+
+Under `--auth none` every caller is an anonymous admin and only the existence of the
+job is checked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Iterable
+
+from managedjobs.v1 import job_pb2
+from services.common.access import require_controller
+from services.common.auth import Principal, Role
+from services.common.errors import ApiError, NotFound, PermissionDenied
+from services.logs.directory import JobDirectory
+
+
+@dataclasses.dataclass(frozen=True)
+class Holding:
+    """What the scheduler said of a job: who holds it, at which epoch, how many tasks."""
+
+    controller_id: str
+    epoch: int
+    tasks: int
+    seen: float
+
+    @classmethod
+    def of(cls, job: job_pb2.Job, now: float) -> Holding:
+        return cls(job.controller_id, job.epoch, len(job.tasks), now)
+
+
+def not_found(job_id: int) -> NotFound:
+    return NotFound(f"job {job_id} not found", reason="JOB_NOT_FOUND", job_id=str(job_id))
+
+
+def not_held(job_id: int, epoch: int, holding: Holding) -> PermissionDenied:
+    holder = (
+        f"held by {holding.controller_id!r} at epoch {holding.epoch}"
+        if holding.controller_id
+        else "not assigned to any replica"
+    )
+    return PermissionDenied(
+        f"job {job_id} is not yours at epoch {epoch}: it is {holder}",
+        reason="JOB_NOT_HELD",
+        job_id=str(job_id),
+    )
+
+
+class Holders:
+    """Checks replicas' claims on jobs against the scheduler, with a short-lived cache."""
+
+    def __init__(
+        self,
+        directory: JobDirectory,
+        *,
+        ttl: float = 5.0,
+        max_entries: int = 100_000,
+        concurrency: int = 16,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._directory = directory
+        self._ttl = ttl
+        self._max_entries = max_entries
+        self._limit = asyncio.Semaphore(concurrency)
+        self._clock = clock
+        self._known: collections.OrderedDict[int, Holding] = collections.OrderedDict()
+
+    async def check(self, principal: Principal, job_id: int, epoch: int) -> Holding:
+        """The job, if the caller holds it at `epoch`.
+
+        Raises:
+            NotFound: the job does not exist (reason JOB_NOT_FOUND).
+            PermissionDenied: the caller does not hold it at `epoch` (JOB_NOT_HELD), or
+                its token or certificate is not a controller's (CONTROLLER_MISMATCH).
+            Unavailable: the scheduler cannot be reached.
+        """
+        known = self._known.get(job_id)
+        if known is not None:
+            self._known.move_to_end(job_id)
+            fresh = self._clock() - known.seen < self._ttl
+            if fresh and self._judge(principal, job_id, epoch, known) is None:
+                return known
+            if _claims(principal) and known.epoch > epoch:
+                raise not_held(job_id, epoch, known)
+        holding = await self._ask(job_id)
+        refusal = self._judge(principal, job_id, epoch, holding)
+        if refusal is not None:
+            raise refusal
+        return holding
+
+    async def check_many(
+        self, principal: Principal, claims: Iterable[tuple[int, int]]
+    ) -> dict[tuple[int, int], ApiError | None]:
+        """Each (job_id, epoch) claim's refusal, or None when it holds; concurrently.
+
+        Raises:
+            Unavailable: the scheduler cannot be reached.
+        """
+        wanted = list(dict.fromkeys(claims))
+
+        async def one(job_id: int, epoch: int) -> ApiError | None:
+            try:
+                await self.check(principal, job_id, epoch)
+            except (NotFound, PermissionDenied) as refusal:
+                return refusal
+            return None
+
+        answers = await asyncio.gather(*(one(job_id, epoch) for job_id, epoch in wanted))
+        return dict(zip(wanted, answers, strict=True))
+
+    def _judge(
+        self, principal: Principal, job_id: int, epoch: int, holding: Holding
+    ) -> ApiError | None:
+        if not _claims(principal):
+            return None
+        if holding.controller_id and holding.epoch == epoch:
+            try:
+                require_controller(principal, holding.controller_id)
+            except PermissionDenied:
+                return not_held(job_id, epoch, holding)
+            return None
+        return not_held(job_id, epoch, holding)
+
+    async def _ask(self, job_id: int) -> Holding:
+        async with self._limit:
+            job = await self._directory.get_job(job_id)
+        if job is None:
+            self._known.pop(job_id, None)
+            raise not_found(job_id)
+        holding = Holding.of(job, self._clock())
+        self._known[job_id] = holding
+        self._known.move_to_end(job_id)
+        while len(self._known) > self._max_entries:
+            self._known.popitem(last=False)
+        return holding
+
+
+def _claims(principal: Principal) -> bool:
+    """Whether the caller's claim on a job is checked: everyone but `--auth none`'s admin."""
+    return not (principal.role is Role.ADMIN and not principal.user)
