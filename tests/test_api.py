@@ -251,3 +251,23 @@ async def test_a_huge_bad_page_token_is_refused_quoting_at_most_200_characters(
     details = caught.value.details() or ""
     assert details.count("é") == 200
     assert details.endswith("(1,000,000 characters) is not a token this server issued")
+
+
+async def test_a_waiting_job_past_its_max_pending_fails_with_why_it_waited(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    patient = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n"))).job_id
+    spec = "name: hurry\nmax_pending: 0.3\n---\nrun: a\n---\nrun: b\n"
+    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))).job_id
+    stream = client.WatchJobs(pb.WatchJobsRequest(job_ids=[job_id]))
+    async for response in stream:
+        if response.event.schedule_state == ScheduleState.DONE:
+            break
+    stream.cancel()
+    job = (await client.GetJob(pb.GetJobRequest(job_id=job_id))).job
+    assert job.status == JobStatus.FAILED_NO_RESOURCE
+    assert job.failure_reason.startswith("max_pending exceeded while waiting")
+    assert "controller replica" in job.failure_reason  # none is connected here
+    assert [t.status for t in job.tasks] == [JobStatus.FAILED_NO_RESOURCE, JobStatus.CANCELLED]
+    other = (await client.GetJob(pb.GetJobRequest(job_id=patient))).job
+    assert other.schedule_state == ScheduleState.WAITING

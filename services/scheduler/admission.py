@@ -90,6 +90,16 @@ class Admission:
         known = [r.regions for r in self.replicas.values() if r.regions]
         return frozenset(region for regions in known for region in regions) if known else None
 
+    def waiting_reason(self) -> str:
+        """Why WAITING jobs are waiting now, for a job that gives up (max_pending)."""
+        if not any(not r.draining for r in self.replicas.values()):
+            return "waiting for a controller replica to connect"
+        if self._global_job_room() <= 0:
+            return f"waiting: the global limit of {self.limits.global_jobs} jobs is reached"
+        if self._global_launch_room() <= 0:
+            return f"waiting: the global limit of {self.limits.global_launches} launches is reached"
+        return "waiting for a launch slot: every replica is full"
+
     def limit_launches(self, replica: ReplicaInfo) -> int:
         return self.limits.replica_launches or replica.capacity.max_launches
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -87,7 +87,16 @@ class SentEvents:
 class JobApi(job_service_pb2_grpc.JobServiceServicer):
     """The client API; every job a caller names must exist and be theirs (or they admin)."""
 
-    def __init__(self, store: Store, bus: EventBus, admission: Admission, cancels: Cancels) -> None:
+    def __init__(
+        self,
+        store: Store,
+        bus: EventBus,
+        admission: Admission,
+        cancels: Cancels,
+        on_pending_deadline: Callable[[], None] = lambda: None,
+    ) -> None:
+        # Told when a job with max_pending was stored: its deadline may be the nearest.
+        self._on_pending_deadline = on_pending_deadline
         self.store = store
         self.bus = bus
         self.admission = admission
@@ -149,8 +158,14 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJob(
         self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SubmitJobResponse:
-        job_id, _ = await self.intake.submit(self._new_job(request))
+        [job_id] = await self._submit([self._new_job(request)])
         return pb.SubmitJobResponse(job_id=job_id)
+
+    async def _submit(self, jobs: list[NewJob]) -> list[int]:
+        answers = await self.intake.submit_many(jobs)
+        if any(job.timeouts and job.timeouts.HasField("max_pending_seconds") for job in jobs):
+            self._on_pending_deadline()
+        return [job_id for job_id, _ in answers]
 
     @rpc_errors
     async def SubmitJobs(
@@ -161,8 +176,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         if len(request.jobs) > MAX_BATCH:
             raise InvalidArgument(f"jobs: at most {MAX_BATCH} per call, got {len(request.jobs)}")
         jobs = [self._new_job(job, f"jobs[{i}].") for i, job in enumerate(request.jobs)]
-        answers = await self.intake.submit_many(jobs)
-        return pb.SubmitJobsResponse(job_ids=[job_id for job_id, _ in answers])
+        return pb.SubmitJobsResponse(job_ids=await self._submit(jobs))
 
     @rpc_errors
     async def GetJob(

@@ -33,6 +33,7 @@ from services.scheduler.api import JobApi
 from services.scheduler.cancels import Cancels
 from services.scheduler.counters import Counters
 from services.scheduler.db import Database, default_url
+from services.scheduler.deadlines import PendingDeadlines
 from services.scheduler.events import EventBus
 from services.scheduler.health import DbHealth, is_unreachable, unavailable
 from services.scheduler.outbox import Outbox
@@ -125,6 +126,7 @@ class SchedulerApp:
         metrics.watch_counters(self.counters)
         self.store.on_doubt = self.reconcile_soon
         self.reports = Reports(self.store)
+        self.deadlines = PendingDeadlines(self.store, self.admission.waiting_reason)
         self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
         self.replicas = Replicas(
             self.store,
@@ -141,7 +143,13 @@ class SchedulerApp:
         self.server = Server(host, port, security=security)
         self.server.add(
             job_service_pb2_grpc.add_JobServiceServicer_to_server,
-            JobApi(self.store, self.bus, self.admission, Cancels(self.store, self.outbox)),
+            JobApi(
+                self.store,
+                self.bus,
+                self.admission,
+                Cancels(self.store, self.outbox),
+                on_pending_deadline=self.deadlines.soon,
+            ),
             "managedjobs.v1.JobService",
         )
         self.server.add(
@@ -193,6 +201,7 @@ class SchedulerApp:
         await self.counters.rebuild()
         await self.replicas.adopt_unknown()
         self.admission.start()
+        self.deadlines.start()
         self.health.start()
         self._reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
         return await self.server.start()
@@ -204,6 +213,7 @@ class SchedulerApp:
         await self.health.stop()
         await self.server.stop(grace)
         await self.replicas.close()
+        await self.deadlines.stop()
         await self.admission.stop()
         await self.db.close()
 

@@ -52,6 +52,7 @@ class JobRow(Base):
         Index("ix_jobs_schedule", "schedule_state", "priority", "id"),
         Index("ix_jobs_controller", "controller_id", "schedule_state"),
         Index("ix_jobs_user", "user", "id"),
+        Index("ix_jobs_pending_deadline", "schedule_state", "pending_deadline"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -75,6 +76,10 @@ class JobRow(Base):
     end_time: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     # The job's timeouts (a serialized JobTimeouts), when it has any.
     timeouts: Mapped[bytes | None] = mapped_column(LargeBinary, nullable=True)
+    # submit_time + max_pending: a job still WAITING then ends FAILED_NO_RESOURCE.
+    pending_deadline: Mapped[dt.datetime | None] = mapped_column(
+        DateTime(timezone=True), nullable=True
+    )
     # Lets one multi-row INSERT ... RETURNING hand back ids in submission order (SQLite).
     _sentinel: Mapped[int | None] = orm_insert_sentinel()
 

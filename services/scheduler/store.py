@@ -178,9 +178,12 @@ async def set_task_statuses(
     job_ids: Sequence[int],
     old: Iterable[JobStatus],
     new: JobStatus,
+    *,
+    task_id: int | None = None,
     **values: Any,
 ) -> list[tuple[int, int]]:
-    """Moves the tasks of `job_ids` that are in `old` to `new`, in one conditional UPDATE.
+    """Moves the tasks of `job_ids` (only task `task_id`, when given) that are in `old` to
+    `new`, in one conditional UPDATE.
 
     Returns the (job_id, task_id) of the tasks that moved.
 
@@ -194,11 +197,11 @@ async def set_task_statuses(
         raise IllegalTransition(f"tasks cannot move from {names} to {new.name}")
     if not job_ids:
         return []
+    query = update(TaskRow).where(TaskRow.job_id.in_(list(job_ids)), TaskRow.status.in_(list(old)))
+    if task_id is not None:
+        query = query.where(TaskRow.task_id == task_id)
     rows = await txn.session.execute(
-        update(TaskRow)
-        .where(TaskRow.job_id.in_(list(job_ids)), TaskRow.status.in_(list(old)))
-        .values(status=new, **values)
-        .returning(TaskRow.job_id, TaskRow.task_id),
+        query.values(status=new, **values).returning(TaskRow.job_id, TaskRow.task_id),
         execution_options={"synchronize_session": False},
     )
     return [(int(j), int(t)) for j, t in rows.all()]
@@ -633,6 +636,11 @@ def _job_values(job: NewJob, state: ScheduleState, now: dt.datetime) -> dict[str
         "wait_reason": "",
         "submit_time": now,
         "timeouts": job.timeouts.SerializeToString() if job.timeouts else None,
+        "pending_deadline": (
+            now + dt.timedelta(seconds=job.timeouts.max_pending_seconds)
+            if job.timeouts and job.timeouts.HasField("max_pending_seconds")
+            else None
+        ),
     }
 
 

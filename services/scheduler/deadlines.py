@@ -1,0 +1,117 @@
+"""max_pending for jobs no replica took yet (SPEC §18).
+
+A job with `max_pending` gets a deadline at submission (`jobs.pending_deadline`).
+While it is WAITING, the scheduler owns it, so the scheduler enforces it: one
+task sleeps until the earliest deadline among WAITING jobs (woken early when a
+submission may bring an earlier one), then ends every WAITING job past its
+deadline in one transaction: its first task FAILED_NO_RESOURCE with the reason
+it was waiting, the rest CANCELLED, the job DONE. Nothing polls. A job admitted
+to a replica is past this module: its lifecycle stops launching at the same
+deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+from collections.abc import Callable
+
+from sqlalchemy import func, select, update
+
+from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler.models import JobRow
+from services.scheduler.store import Move, Store, set_task_statuses
+
+log = logging.getLogger(__name__)
+S = JobStatus
+St = ScheduleState
+# Sleep at most this long: a clock step or a missed wake-up costs no more.
+LONGEST_SLEEP = 60.0
+
+
+class PendingDeadlines:
+    def __init__(self, store: Store, waiting_reason: Callable[[], str]) -> None:
+        self.store = store
+        # Why WAITING jobs wait now, e.g. "no replica has room" (from admission).
+        self._waiting_reason = waiting_reason
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self.expired = 0
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="pending-deadlines")
+
+    def soon(self) -> None:
+        """A submission may have brought an earlier deadline."""
+        self._wake.set()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.expire()
+                nearest = await self._nearest()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("expiring pending jobs failed")
+                nearest = None
+            wait = LONGEST_SLEEP
+            if nearest is not None:
+                wait = min(wait, max(0.0, (nearest - self.store.clock()).total_seconds()))
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    async def _nearest(self) -> dt.datetime | None:
+        query = select(func.min(JobRow.pending_deadline)).where(JobRow.schedule_state == St.WAITING)
+        async with self.store.db.read() as session:
+            nearest = await session.scalar(query)
+        if nearest is not None and nearest.tzinfo is None:
+            nearest = nearest.replace(tzinfo=dt.UTC)
+        return nearest
+
+    async def expire(self) -> list[int]:
+        """Ends every WAITING job past its max_pending; returns their ids."""
+        why = self._waiting_reason()
+        async with self.store.transaction() as txn:
+            rows = (
+                await txn.session.execute(
+                    update(JobRow)
+                    .where(
+                        JobRow.schedule_state == St.WAITING,
+                        JobRow.pending_deadline <= txn.now,
+                    )
+                    .values(
+                        schedule_state=St.DONE,
+                        status=S.FAILED_NO_RESOURCE,
+                        end_time=txn.now,
+                        wait_reason="",
+                        failure_reason=f"max_pending exceeded while {why}",
+                    )
+                    .returning(JobRow.id),
+                    execution_options={"synchronize_session": False},
+                )
+            ).all()
+            ids = [int(r[0]) for r in rows]
+            if not ids:
+                return []
+            reason = f"max_pending exceeded while {why}"
+            # The first task could not start; later tasks never will.
+            await set_task_statuses(
+                txn, ids, [S.PENDING], S.FAILED_NO_RESOURCE, task_id=0, end_time=txn.now,
+                failure_reason=reason,
+            )  # fmt: skip
+            await set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
+            for job_id in ids:
+                txn.event(job_id, 0, S.FAILED_NO_RESOURCE, St.DONE, reason)
+                txn.moves.append(Move(job_id, None, None, 0, St.WAITING, St.DONE))
+        self.expired += len(ids)
+        log.info("jobs past max_pending", extra={"jobs": ids[:20], "count": len(ids)})
+        return ids
