@@ -29,7 +29,7 @@ SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 
 RPC_SECONDS = Histogram(
     "mj_rpc_seconds",
-    "Server-side time of unary RPCs and time to the first message of streams, by method",
+    "Server-side duration of each call (a stream's whole life), by method and status code",
     ["method", "code"],
     buckets=SECONDS,
 )
