@@ -29,7 +29,8 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ALIVE_STATES, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.counters import Counters
-from services.scheduler.outbox import Outbox
+from services.scheduler.outbox import Outbox, TooLarge
+from services.scheduler.reports import finish
 from services.scheduler.store import ADMITTED_ON, RESUMED_ON, Move, Store
 
 log = logging.getLogger(__name__)
@@ -252,7 +253,14 @@ class Admission:
             metrics.admitted(jobs)
         secrets = await self.store.secrets([job.job_id for job in jobs])
         for job in jobs:
-            self.outbox.assign(cid, job, epochs[job.job_id], granted, secrets.get(job.job_id))
+            epoch = epochs[job.job_id]
+            try:
+                self.outbox.assign(cid, job, epoch, granted, secrets.get(job.job_id))
+            except TooLarge as error:
+                # Never on the stream (it would break it for every job): this job fails.
+                log.error("assignment too large", extra={"job_id": job.job_id, "error": str(error)})
+                async with self.store.transaction() as txn:
+                    await finish(txn, cid, job.job_id, epoch, f"cannot be assigned: {error}")
 
     def state(self) -> pb.GetSchedulerStateResponse:
         totals = self.counters.totals()

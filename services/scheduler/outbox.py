@@ -36,6 +36,15 @@ class Stream:
         self.queue.put_nowait(None)
 
 
+# An assignment larger than this is never sent: it would break the replica's stream (the
+# gRPC limit is 4 MiB). The spec's bounds keep every job well under it; this is the guard.
+MAX_ASSIGNMENT_BYTES = 3_500_000
+
+
+class TooLarge(Exception):
+    """An assignment that cannot go on a stream; its job must fail instead."""
+
+
 class Outbox:
     def __init__(self) -> None:
         self._streams: dict[str, Stream] = {}
@@ -83,14 +92,21 @@ class Outbox:
         granted: bool,
         secrets: list[pb.TaskSecrets] | None = None,
     ) -> bool:
-        """Run (or resume) this job: `job` as committed with its move to the replica."""
+        """Run (or resume) this job: `job` as committed with its move to the replica.
+
+        Raises:
+            TooLarge: the assignment would not fit in a message; nothing was sent.
+        """
+        assignment = pb.JobAssignment(
+            job=job, epoch=epoch, launch_granted=granted, secrets=secrets or []
+        )
+        size = assignment.ByteSize()
+        if size > MAX_ASSIGNMENT_BYTES:
+            raise TooLarge(f"the job's assignment is {size} bytes, over {MAX_ASSIGNMENT_BYTES}")
         stream = self._streams.get(controller_id)
         if stream is None:
             return False
         stream.sent[job.job_id] = epoch
-        assignment = pb.JobAssignment(
-            job=job, epoch=epoch, launch_granted=granted, secrets=secrets or []
-        )
         return self._send(controller_id, Message(assignment=assignment))
 
     def grant(self, controller_id: str, job_id: int, epoch: int) -> bool:

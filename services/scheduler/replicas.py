@@ -25,6 +25,7 @@ and what it holds gets its grants, cancels and any assignment it was never sent.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -49,7 +50,7 @@ from services.common.statuses import ScheduleState
 from services.scheduler import metrics
 from services.scheduler.admission import Admission
 from services.scheduler.health import DbHealth
-from services.scheduler.outbox import Outbox, Stream
+from services.scheduler.outbox import Outbox, Stream, TooLarge
 from services.scheduler.reports import Reports
 from services.scheduler.store import Store
 
@@ -287,7 +288,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 if job.schedule_state != St.DONE and job.controller_id == cid:
                     granted = job.schedule_state == St.LAUNCHING
                     epoch, kept = truth[job.job_id], secrets.get(job.job_id)
-                    sent += self.outbox.assign(cid, job, epoch, granted, kept)
+                    with contextlib.suppress(TooLarge):  # admission failed such a job
+                        sent += self.outbox.assign(cid, job, epoch, granted, kept)
         return sent
 
     async def _read(

@@ -358,9 +358,10 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     """The replica finished the lifecycle: the job is DONE.
 
     A task the lifecycle left unfinished would break "every job ends in one
-    terminal status", so it is closed here, along `TASK_TRANSITIONS`: a task that
-    never started or was being cancelled ends CANCELLED, any other
-    FAILED_CONTROLLER with the replica's reason.
+    terminal status", so it is closed here, along `TASK_TRANSITIONS`: a task being
+    cancelled, and tasks after the current one, end CANCELLED; the current task
+    and any other in flight end FAILED_CONTROLLER with the reason (with no reason,
+    a current task that never started ends CANCELLED too).
     """
     job = await _held_job(txn, job_id, epoch, cid)
     if job.schedule_state == St.DONE:
@@ -375,7 +376,10 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
             continue  # finished earlier in this batch (the query saw the stored status)
-        if task.status in (S.PENDING, S.CANCELLING):
+        never_started = task.status == S.PENDING
+        if task.status == S.CANCELLING or (
+            never_started and not (reason and task.task_id == job.current_task)
+        ):
             set_task_status(task, S.CANCELLED)
         else:
             set_task_status(task, S.FAILED_CONTROLLER)

@@ -1,0 +1,46 @@
+"""Admission on the real store and counters: one job's payload never breaks a stream."""
+
+from __future__ import annotations
+
+from managedjobs.v1 import job_pb2
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler.admission import Admission, Limits
+from services.scheduler.counters import Counters, live_counts
+from services.scheduler.outbox import Outbox
+from services.scheduler.store import NewJob, Store
+
+S = JobStatus
+St = ScheduleState
+
+
+def job(envs_bytes: int = 0) -> NewJob:
+    spec = job_pb2.TaskSpec(name="j", run="echo", num_nodes=1)
+    if envs_bytes:
+        # Past what the spec parser accepts: built here to prove the last guard holds.
+        spec.envs["BIG"] = "x" * envs_bytes
+    return NewJob("j", "alice", 0, "", "", [spec])
+
+
+async def test_a_job_too_large_to_assign_fails_and_the_stream_carries_the_others(
+    store: Store,
+) -> None:
+    counters = Counters(store)
+    store.on_moves = counters.apply
+    outbox = Outbox()
+    stream = outbox.attach("c1")
+    admission = Admission(store, counters, outbox, Limits())
+    admission.connected(
+        pb.ControllerHello(controller_id="c1", capacity=pb.Capacity(max_launches=9, max_jobs=9))
+    )
+    small, _ = await store.submit(job())
+    huge, _ = await store.submit(job(envs_bytes=3_600_000))
+    after, _ = await store.submit(job())
+    await admission.schedule()
+    sent = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    assigned = [m.assignment.job.job_id for m in sent if m and m.HasField("assignment")]
+    assert assigned == [small, after]
+    failed = await store.get_job(huge)
+    assert failed is not None and failed.schedule_state == St.DONE
+    assert failed.status == S.FAILED_CONTROLLER and "cannot be assigned" in failed.failure_reason
+    assert live_counts(counters.counts) == live_counts(await store.recount())
