@@ -15,10 +15,9 @@ Rules:
 - A command that gets no answer within its timeout, a connection that cannot
   be made, and one that dies under a command (its channel closes without an
   exit status, as when sshd is killed) are `HostUnreachable`: nothing can be
-  concluded about the host. A
-  timed-out connection is closed (it may be stuck) so the next command
-  reconnects; a command on a reused connection that turns out to be broken is
-  retried once on a fresh one.
+  concluded about the host. A timed-out connection is closed (it may be stuck)
+  so the next command reconnects; a command on a reused connection that turns
+  out to be broken is retried once on a fresh one.
 - A host that answers but whose node script fails is `HostCommandError`.
 """
 
