@@ -394,6 +394,56 @@ class UnreachableTerminate(Wrapped):
         raise BackendUnreachableError(f"terminate {handle.cluster_name}: no answer")
 
 
+class Islanded(Wrapped):
+    """Once `cut`, the first cluster launched stops answering for good, as a partitioned
+    SSH host: looks at it and terminates of it are unreachable, carrying `timeout` as an
+    SSH pool's errors do (after `plain_first` plain errors without one). Clusters
+    launched later answer."""
+
+    def __init__(self, inner: Backend, timeout: float = 0.05, plain_first: int = 0) -> None:
+        super().__init__(inner)
+        self.timeout = timeout
+        self.plain_first = plain_first
+        self.cut = False
+        self.first: ClusterHandle | None = None
+
+    async def launch(
+        self,
+        request: TaskRequest,
+        candidate_regions: Sequence[str] = (),
+        blocked_regions: Sequence[str] = (),
+    ) -> ClusterHandle:
+        handle = await self.inner.launch(request, candidate_regions, blocked_regions)
+        self.first = self.first or handle
+        return handle
+
+    def _silent(self, handle: ClusterHandle) -> bool:
+        return self.cut and self.first is not None and handle.data == self.first.data
+
+    def _error(self, handle: ClusterHandle) -> BackendError:
+        if self.plain_first > 0:
+            self.plain_first -= 1
+            return BackendError(f"observe failed on the host of {handle.cluster_name}")
+        return BackendUnreachableError(f"{handle.cluster_name}: no answer", timeout=self.timeout)
+
+    async def observe(self, handle: ClusterHandle) -> Observation:
+        if self._silent(handle):
+            raise self._error(handle)
+        return await super().observe(handle)
+
+    async def observe_many(
+        self, handles: Sequence[ClusterHandle]
+    ) -> dict[str, Observation | BackendError]:
+        silent = {h.cluster_name: self._error(h) for h in handles if self._silent(h)}
+        answered = await super().observe_many([h for h in handles if not self._silent(h)])
+        return {**answered, **silent}
+
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+        if self._silent(handle):
+            raise BackendUnreachableError(f"terminating {handle.cluster_name}: no answer")
+        await self.inner.terminate(handle, epoch, grace)
+
+
 class VanishesAfterItsTask(Wrapped):
     """A cluster whose task finished is gone (DOWN) at the next look; its task's end is
     still readable, as the backend contract says (spot reclaimed right after success)."""

@@ -83,6 +83,24 @@ def _processes_of(uid: int) -> list[psutil.Process]:
     return found
 
 
+def clusters_running(hosts: Sequence[SshHost]) -> dict[str, set[str]]:
+    """User -> the MJ_CLUSTER_NAME of every live process of each host's user, in one pass
+    over the process table."""
+    users = {host.uid: host.user for host in hosts}
+    found: dict[str, set[str]] = {user: set() for user in users.values()}
+    for proc in psutil.process_iter():
+        try:
+            user = users.get(proc.uids().real)
+            if user is None or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            name = proc.environ().get("MJ_CLUSTER_NAME")
+        except psutil.Error:
+            continue
+        if name:
+            found[user].add(name)
+    return found
+
+
 def _dead(proc: psutil.Process) -> bool:
     try:
         return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
@@ -231,6 +249,25 @@ class SshHost:
     def task_processes(self) -> list[str]:
         """The user's processes other than sshd's own ones for open connections."""
         return [args for args in self.ps() if not args.startswith("sshd:")]
+
+    def reservation(self) -> dict[str, str] | None:
+        """The host's own reservation (its owner file's fields), or None when it is free."""
+        owner = self.home / ".mj" / "reservation" / "owner"
+        try:
+            text = owner.read_text()
+        except FileNotFoundError:
+            return None
+        return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+    def cluster_folders(self) -> list[str]:
+        """The cluster folders (NAME.LAUNCH) in the host's ~/.mj/clusters."""
+        clusters = self.home / ".mj" / "clusters"
+        return sorted(p.name for p in clusters.iterdir()) if clusters.is_dir() else []
+
+    def clusters_running(self) -> set[str]:
+        """The MJ_CLUSTER_NAME of every live process of the host's user, read from the
+        processes themselves."""
+        return clusters_running([self])[self.user]
 
     def wipe(self) -> None:
         """Kills every process of the user (its connections too) and empties ~/.mj."""

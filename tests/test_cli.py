@@ -689,6 +689,23 @@ def test_status_prints_the_job_and_its_tasks(
     assert "1x[spot](cpus=8)" in out
 
 
+def test_status_shows_the_current_tasks_condition(
+    services: tuple[str, FakeJobs, FakeLogs], capsys: pytest.CaptureFixture[str]
+) -> None:
+    address, jobs, _ = services
+    job = chain_job()
+    job.current_task_id = 1
+    job.tasks[1].condition = "mj-8-1 unreachable since 12:00:01 UTC (no answer)"
+    jobs.jobs = {8: job}
+    assert mj(address, "status", "8") == 0
+    assert "Condition:" in (out := capsys.readouterr().out)
+    assert "task 1: mj-8-1 unreachable since 12:00:01 UTC (no answer)" in out
+    job.tasks[1].condition = ""
+    assert mj(address, "status", "8") == 0
+    (line,) = [row for row in capsys.readouterr().out.splitlines() if "Condition:" in row]
+    assert line.split() == ["Condition:", "-"]
+
+
 def test_watch_prints_one_line_per_event_after_the_given_id(
     services: tuple[str, FakeJobs, FakeLogs], capsys: pytest.CaptureFixture[str]
 ) -> None:

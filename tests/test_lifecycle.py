@@ -38,6 +38,7 @@ from lifecycle_harness import (
     FailingTerminate,
     Hooks,
     Host,
+    Islanded,
     LongFirstRun,
     NeverStartsFirst,
     NoPush,
@@ -47,6 +48,7 @@ from lifecycle_harness import (
     World,
     build,
     fast_config,
+    layer,
     make_job,
     prelaunch,
     start_job,
@@ -389,8 +391,8 @@ ROWS = [
 
 def _wrap(layers: tuple[Callable[[Backend], Backend], ...]) -> Callable[[Backend], Backend]:
     def wrap(backend: Backend) -> Backend:
-        for layer in reversed(layers):
-            backend = layer(backend)
+        for wrapper in reversed(layers):
+            backend = wrapper(backend)
         return backend
 
     return wrap
@@ -648,6 +650,45 @@ async def test_a_teardown_the_backend_never_answers_ends_failed_controller_in_bo
     assert "stayed unreachable" in host.last(0).fields["failure_reason"]
     assert any("retrying until it answers" in note for note in host.notes)
     await world.sim.terminate(world.sim.handle_for("mj-1-0"))
+
+
+@pytest.mark.parametrize(
+    ("recovery", "plain_first", "waited"),
+    [
+        # The backend's timeout (an SSH pool's), carried by its error.
+        ("", 0, "0.05s"),
+        # Carried only from the second error of the episode on: taken then.
+        ("", 1, "0.05s"),
+        # The task's own unreachable_timeout wins over the backend's.
+        ("  job_recovery:\n    unreachable_timeout: 300ms\n", 0, "0.3s"),
+    ],
+    ids=["backend-timeout", "timeout-from-a-later-error", "the-task-timeout-wins"],
+)
+async def test_a_cluster_silent_past_its_timeout_is_relaunched_without_waiting_for_it_again(
+    world: World, recovery: str, plain_first: int, waited: str
+) -> None:
+    job = make_job(f"name: island\nrun: train\nresources:\n{recovery}", 1)
+
+    async def cut(world: World, host: Host) -> None:
+        layer(host.recorder, Islanded).cut = True
+
+    running = await start_job(
+        world,
+        job,
+        # The replica's own timeout is far longer than the test may take.
+        config=fast_config(poll_interval=0.01, unreachable_timeout=3600),
+        wrap=_wrap((NoPush, functools.partial(Islanded, plain_first=plain_first), LongFirstRun)),
+        hooks=Hooks(at_running=cut),
+    )
+    await running.finished()
+    host = running.host
+
+    assert host.statuses(0) == [STARTING, RUNNING, RECOVERING, RUNNING, SUCCEEDED]
+    assert any(f"stayed unreachable for {waited}" in note for note in host.notes), host.notes
+    assert any("relaunching without waiting again" in note for note in host.notes)
+    # The relaunch of the name replaced the silent cluster: nothing is left.
+    assert len(await world.inventory(1)) == 2
+    assert await world.live(1) == []
 
 
 async def test_a_succeeded_cluster_is_torn_down_once(world: World) -> None:

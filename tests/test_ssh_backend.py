@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import asyncssh
-import psutil
 import pytest
 from sshd import SshHost, SshHosts
 
@@ -82,28 +81,10 @@ def host_of(hosts: SshHosts, host_id: str) -> SshHost:
     return next(h for h in hosts.hosts if host_id.startswith(f"{h.user}@"))
 
 
-def cluster_names_running(host: SshHost) -> set[str]:
-    """The MJ_CLUSTER_NAME of every live process of the host's user, from the host itself."""
-    names = set()
-    for proc in psutil.process_iter():
-        try:
-            if proc.uids().real != host.uid or proc.status() == psutil.STATUS_ZOMBIE:
-                continue
-            name = proc.environ().get("MJ_CLUSTER_NAME")
-        except psutil.Error:
-            continue
-        if name:
-            names.add(name)
-    return names
-
-
 def reservation_of(host: SshHost) -> str | None:
     """The cluster the host's own reservation names, read from its files."""
-    owner = host.home / ".mj" / "reservation" / "owner"
-    if not owner.exists():
-        return None
-    fields = dict(line.split("=", 1) for line in owner.read_text().splitlines() if "=" in line)
-    return fields["cluster"]
+    held = host.reservation()
+    return held["cluster"] if held else None
 
 
 async def no_task_processes(host: SshHost) -> bool:
@@ -369,7 +350,7 @@ async def test_two_instances_launching_at_once_never_share_a_host(
         host = host_of(hosts, host_id)
         # The host's own view: one reservation, one cluster's processes.
         assert reservation_of(host) == name
-        assert cluster_names_running(host) == {name}
+        assert host.clusters_running() == {name}
 
 
 async def test_killed_host_is_unreachable_then_down_once_it_answers(
@@ -387,6 +368,30 @@ async def test_killed_host_is_unreachable_then_down_once_it_answers(
     hosts.hosts[0].start()
     seen = await backend.observe(handle)
     assert seen == Observation(ClusterStatus.DOWN, None, None)
+
+
+async def test_host_killed_during_a_command_is_unreachable_not_an_error(
+    backends: Factory, hosts: SshHosts
+) -> None:
+    backend = backends(1, **SHORT)
+    # The task notes SIGTERM and runs on, so terminate waits out its grace on the host.
+    run = "trap 'touch $HOME/termed' TERM; while true; do sleep 0.1; done"
+    handle = await backend.launch(request("dying", run=run))
+    await observed(backend, handle, TaskStatus.RUNNING)
+    terminating = asyncio.create_task(backend.terminate(handle, epoch=1, grace=60))
+    termed = hosts.hosts[0].home / "termed"
+
+    async def in_grace() -> bool:
+        return termed.exists()
+
+    await wait_for(in_grace, what="terminate to be waiting out the grace")
+
+    hosts.hosts[0].kill()
+
+    # The connection died under the command: the host did not answer; that is no failure.
+    with pytest.raises(BackendUnreachableError) as silent:
+        await terminating
+    assert silent.value.timeout == UNREACHABLE_TIMEOUT
 
 
 async def test_partitioned_host_is_unreachable_with_the_pools_timeout(
@@ -458,7 +463,7 @@ async def test_relaunch_while_a_host_is_silent_is_reaped_when_it_returns(
     finally:
         old_host.resume()
     assert new.data["hosts"] != old.data["hosts"]
-    assert cluster_names_running(old_host) == {"moved"}
+    assert old_host.clusters_running() == {"moved"}
 
     released = await backend.reap()
 

@@ -21,6 +21,10 @@ Invariants every backend keeps:
 - "Cannot tell now" is `BackendUnreachableError`, never DOWN: a probe that
   times out says nothing about the cluster.
 - `terminate` is idempotent and `cluster_exists` is the proof that it worked.
+- A launch replaces any older cluster of the same name (a relaunch after a
+  preemption reuses the name), even one the backend cannot reach now: it is
+  stopped once it can be (the ssh backend's reaper, when its host answers), so
+  a controller need not wait for a silent cluster before relaunching.
 - Errors the caller must tell apart are the exception classes below; anything
   else is a bug.
 """

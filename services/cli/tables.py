@@ -224,7 +224,17 @@ def job_fields(job: job_pb2.Job, now: float) -> list[tuple[str, str]]:
         ("Recoveries", str(job.recovery_count)),
         ("Failure reason", or_none(job.failure_reason)),
         ("Wait reason", or_none(job.wait_reason)),
+        ("Condition", _condition(job)),
     ]
+
+
+def _condition(job: job_pb2.Job) -> str:
+    """The current task's condition (e.g. its cluster is unreachable), or `NONE`."""
+    current = next((t for t in job.tasks if t.task_id == job.current_task_id), None)
+    if current is None or not current.condition:
+        return NONE
+    prefix = f"task {current.task_id}: " if len(job.tasks) > 1 else ""
+    return prefix + current.condition
 
 
 def task_table(job: job_pb2.Job) -> list[list[str]]:

@@ -22,7 +22,13 @@ backend, or from the replica's batched poll; watch.py). Each look is one
 - The backend cannot tell (unreachable): nothing is concluded. The task stays
   RUNNING with the condition "unreachable since T" (in the lifecycle log and as
   an event); it is recovered only once the backend says the cluster is gone, or
-  after `unreachable_timeout`.
+  after `unreachable_timeout` (the task's `job_recovery.unreachable_timeout`, else
+  the backend's, e.g. an SSH pool's, else the replica's). A cluster given up that
+  way is terminated (with the job's epoch) before the relaunch, but if it still
+  cannot be reached the relaunch does not wait for it a second time: every
+  backend's launch of a cluster name replaces any older cluster of that name,
+  so the backend stops the old one once it can (the ssh backend's reaper, when
+  the host answers again).
 - Any other task status is one we do not understand: FAILED_CONTROLLER.
 
 Every status goes through `JobLifecycle.transition`, which refuses any move that
@@ -186,6 +192,8 @@ class Verdict:
     kind: str  # "ended", "lost" or "unknown"
     why: str = ""
     end: TaskEnd | None = None
+    # Lost because it stayed unreachable: its teardown does not wait for it again.
+    silent: bool = False
 
 
 class JobLifecycle:
@@ -390,8 +398,13 @@ class JobLifecycle:
         request: TaskRequest,
         why: str,
         end: TaskEnd | None = None,
+        silent: bool = False,
     ) -> None:
         """Relaunches a task whose cluster was lost, if the policy allows.
+
+        With `silent` (the cluster stayed unreachable past the timeout), a terminate
+        the backend still cannot carry out does not hold the relaunch back: the
+        relaunch of the name replaces the old cluster (see the module docstring).
 
         Raises:
             NoResources: no recovery allowed (strategy NONE, max_recoveries reached), or
@@ -404,7 +417,7 @@ class JobLifecycle:
             raise NoResources(refused)
         if state.status != S.RECOVERING:
             await self.transition(state, S.RECOVERING, why, **_exit(end))
-        await self._teardown(state, lost)
+        await self._teardown(state, lost, silent=silent)
         number = state.recovery_count + 1
         self.host.note(
             f"task {state.task_id}: recovery {number} with {strategy.name}; "
@@ -434,7 +447,13 @@ class JobLifecycle:
                     f"task {state.task_id}: {handle.cluster_name} in {handle.region or '-'} "
                     f"{verdict.why}: preempted"
                 )
-                await self._recover(state, strategy, request, f"{handle.cluster_name} was lost")
+                await self._recover(
+                    state,
+                    strategy,
+                    request,
+                    f"{handle.cluster_name} was lost",
+                    silent=verdict.silent,
+                )
             else:
                 self.host.note(f"task {state.task_id}: {verdict.why}")
                 await self.transition(
@@ -504,12 +523,15 @@ class JobLifecycle:
         """Nothing is concluded while the backend cannot tell, until the timeout."""
         assert state.handle is not None
         now = self.config.monotonic()
+        # The backend's timeout for this cluster (an SSH pool's), from any error that carries
+        # it; the task's own job_recovery.unreachable_timeout wins over it.
+        own = state.task.spec.resources.HasField("unreachable_timeout_seconds")
+        if not own and isinstance(error, BackendUnreachableError) and error.timeout is not None:
+            state.unreachable_timeout = error.timeout
         if state.unreachable_since is None:
             if error is None:
                 return None  # a quiet interval, nothing to say
             state.unreachable_since = now
-            if isinstance(error, BackendUnreachableError) and error.timeout is not None:
-                state.unreachable_timeout = error.timeout
             since = time.strftime("%H:%M:%S", time.gmtime(self.config.clock()))
             condition = f"{state.handle.cluster_name} unreachable since {since} UTC ({error})"
             await self._condition(state, f"{condition}; concluding nothing yet", condition)
@@ -517,7 +539,7 @@ class JobLifecycle:
         timeout = state.unreachable_timeout or self.config.unreachable_timeout
         if now - state.unreachable_since >= timeout:
             state.unreachable_since = None
-            return Verdict("lost", f"stayed unreachable for {timeout:g}s")
+            return Verdict("lost", f"stayed unreachable for {timeout:g}s", silent=True)
         return None
 
     async def _pass_notice(self, state: TaskState, deadline: float) -> None:
@@ -633,8 +655,12 @@ class JobLifecycle:
         handle: ClusterHandle,
         grace: float = 0.0,
         attempt: int | None = None,
+        silent: bool = False,
     ) -> None:
         """Copies the attempt's logs off the cluster, then terminates it and verifies it is gone.
+
+        With `silent`, one terminate is tried and a backend that still cannot be
+        reached is left to stop the cluster itself (see `_recover`).
 
         Raises:
             CleanupFailed: it could not be terminated (resources may have leaked).
@@ -643,15 +669,24 @@ class JobLifecycle:
         if state.gone and state.handle is handle:
             return
         await self.host.fetch_logs(state.task_id, handle, attempt or state.attempt)
-        await self._terminate(handle, grace)
+        if not await self._terminate(handle, grace, silent=silent):
+            return
         if state.handle is handle or state.handle is None:
             state.gone = True
 
-    async def _terminate(self, handle: ClusterHandle, grace: float = 0.0) -> None:
+    async def _terminate(
+        self, handle: ClusterHandle, grace: float = 0.0, silent: bool = False
+    ) -> bool:
         """Terminates a cluster and verifies it is gone, bounded in time and attempts.
 
         While the backend is unreachable nothing is concluded and attempts are not
         counted, but only for `unreachable_timeout`: then the cleanup has failed.
+        With `silent` (the cluster already stayed unreachable past its timeout) an
+        unreachable backend is not waited for again.
+
+        Returns:
+            True once the cluster is verified gone; False when, with `silent`, the
+            backend could not be reached.
 
         Raises:
             CleanupFailed: still there after `terminate_attempts` attempts, or the backend
@@ -666,11 +701,17 @@ class JobLifecycle:
             try:
                 await self.backend.terminate(handle, self.host.epoch, grace)
                 if not await self.backend.cluster_exists(name):
-                    return
+                    return True
                 error = "it still exists after terminate"
             except StaleEpochError as stale:
                 raise MovedAway(f"terminate {name}: {stale}") from stale
             except BackendUnreachableError as unreachable:
+                if silent:
+                    self.host.note(
+                        f"terminate {name}: {unreachable}; relaunching without waiting again: "
+                        "the relaunch replaces it, and the backend stops it once it answers"
+                    )
+                    return False
                 now = self.config.monotonic()
                 if unreachable_since is None:
                     unreachable_since = now

@@ -12,11 +12,12 @@ Rules:
 - One connection per host, shared by every caller; concurrent first uses share
   one connection attempt. At most `max_sessions` commands run on it at once,
   below sshd's default MaxSessions of 10.
-- A command that gets no answer within its timeout, or a connection that cannot
-  be made, is `HostUnreachable`: nothing can be concluded about the host. A
-  timed-out connection is closed (it may be stuck) so the next command
-  reconnects; a command on a reused connection that turns out to be broken is
-  retried once on a fresh one.
+- A command that gets no answer within its timeout, a connection that cannot
+  be made, and one that dies under a command (its channel closes without an
+  exit status, as when sshd is killed) are `HostUnreachable`: nothing can be
+  concluded about the host. A timed-out connection is closed (it may be stuck)
+  so the next command reconnects; a command on a reused connection that turns
+  out to be broken is retried once on a fresh one.
 - A host that answers but whose node script fails is `HostCommandError`.
 """
 
@@ -138,6 +139,13 @@ class HostConnections:
                 if reused and not retry:
                     continue
                 raise HostUnreachable(host, f"{verb}: {_describe(exc)}") from None
+            if result.exit_status is None:
+                # The channel closed without an exit status: the connection died under the
+                # command (sshd killed, host gone), which says nothing about the host.
+                self._drop(host, conn)
+                if reused and not retry:
+                    continue
+                raise HostUnreachable(host, f"{verb}: the connection closed without an answer")
             if result.exit_status != 0:
                 stderr = _as_bytes(result.stderr).decode(errors="replace")[-_ERROR_TAIL:]
                 raise HostCommandError(
