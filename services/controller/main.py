@@ -93,6 +93,21 @@ SETTINGS = (
         float,
     ),
     Setting("start_checks", "MJ_START_CHECKS", 60, "checks before a launch is retried", int),
+    Setting(
+        "grace_period",
+        "MJ_GRACE_PERIOD",
+        30.0,
+        "seconds between SIGTERM and SIGKILL when a task is stopped (a task's grace_period wins)",
+        float,
+    ),
+    Setting(
+        "unreachable_timeout",
+        "MJ_UNREACHABLE_TIMEOUT",
+        120.0,
+        "seconds a cluster may stay unreachable before it is recovered (the task's or the "
+        "backend's own timeout wins)",
+        float,
+    ),
     *settings.SERVER_SECURITY,
     *settings.CLIENT_SECURITY,
     METRICS_PORT,
@@ -118,6 +133,8 @@ async def serve(a: argparse.Namespace, security: ServerSecurity, client: ClientS
         max_launch_retries=a.max_launch_retries,
         start_checks=a.start_checks,
         start_check_interval=a.start_check_interval,
+        grace_period=a.grace_period,
+        unreachable_timeout=a.unreachable_timeout,
     )
     server = Server(a.host, a.port, security=security)
     capacity = replica_capacity(
