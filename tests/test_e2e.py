@@ -195,6 +195,34 @@ def test_cancel_a_running_job(stack: Stack, jobs: job_service_pb2_grpc.JobServic
     assert job.status == JobStatus.CANCELLED
 
 
+@pytest.mark.parametrize(
+    ("trap", "grace", "seen"),
+    [
+        ("echo got SIGTERM, checkpointing; exit 143", 30, "got SIGTERM, checkpointing"),
+        ("echo ignoring SIGTERM", 1, "ignoring SIGTERM"),
+    ],
+    ids=["stops-on-sigterm", "killed-after-the-grace"],
+)
+def test_max_duration_stops_the_task_with_sigterm_then_sigkill(
+    stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub, trap: str, grace: int, seen: str
+) -> None:
+    spec = (
+        f"name: timed\nmax_duration: 2\ngrace_period: {grace}\n"
+        f"run: |\n  trap '{trap}' TERM\n  echo started\n  while :; do sleep 0.2; done\n"
+    )
+    job_id = jobs.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec, user="e2e")).job_id
+    job = wait_job(jobs, job_id, timeout=60)
+    assert job.status == JobStatus.FAILED
+    assert "max_duration of 2s exceeded" in job.failure_reason, job.failure_reason
+    # The task's own SIGTERM handler ran, and its output was kept before the teardown.
+    logs = mj(stack, "logs", str(job_id), "--no-follow")
+    assert logs.stdout.startswith("started\n") and seen in logs.stdout, logs.stdout
+    task = job.tasks[0]
+    ran = (task.end_time.ToNanoseconds() - task.start_time.ToNanoseconds()) / 1e9
+    # Stopped at its max_duration, and one that ignores SIGTERM no later than the grace after.
+    assert 2 <= ran < 2 + grace + 10
+
+
 @pytest.fixture
 def shared() -> Iterator[Path]:
     """A folder every attempt of a task can write: each runs as a uid of its own."""

@@ -112,6 +112,32 @@ async def test_terminate_kills_ranks_that_ignore_sigterm_once_the_grace_ran_out(
     assert not await backend.cluster_exists("stubborn")
 
 
+@pytest.mark.parametrize(
+    ("trap", "grace"),
+    [("echo checkpointed; exit 0", 5.0), ("echo ignored", 0.5)],
+    ids=["exits-on-sigterm", "killed-after-the-grace"],
+)
+async def test_stop_ends_every_rank_and_keeps_what_they_wrote_until_terminate(
+    backend: LocalBackend, trap: str, grace: float
+) -> None:
+    sleep, marker = unique_sleep()
+    run = f"trap '{trap}' TERM; echo ready; while :; do {sleep}; done"
+    handle = await backend.launch(request("stopped", num_nodes=2, run=run))
+    await wait_logs(backend, handle, b"(rank=1) ready")
+    await wait_for(lambda: sleeps_running(marker, 2), what="both ranks' sleeps")
+    cluster_dir = backend.layout("stopped").dir
+
+    await backend.stop(handle, epoch=0, grace=grace)
+
+    assert not processes_with(marker) and not cluster_processes(cluster_dir)
+    said = trap.split(";")[0].removeprefix("echo ")
+    logs = await backend.read_logs(handle)
+    assert logs.count(f"{said}\n".encode()) == 2, logs  # each rank's last words
+    assert await backend.cluster_exists("stopped")
+    await backend.terminate(handle)
+    assert not await backend.cluster_exists("stopped")
+
+
 async def test_a_preemption_notice_reaches_every_rank_and_the_cluster_stays_up(
     backend: LocalBackend,
 ) -> None:

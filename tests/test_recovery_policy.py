@@ -221,9 +221,9 @@ async def test_max_duration_sends_sigterm_before_the_end_and_keeps_the_logs(
     [cluster] = await world.inventory(1)
     assert cluster.HasField("sigterm_time") and cluster.HasField("terminate_time")
     assert cluster.sigterm_time.ToNanoseconds() <= cluster.terminate_time.ToNanoseconds()
-    # The attempt's logs were copied before it went.
-    [(_, _, data, existed)] = running.host.fetched
-    assert existed and b"working" in data
+    # The attempt's logs were copied once it stopped: they end with its SIGTERM.
+    [(_, _, data, _)] = running.host.fetched
+    assert data == b"working\nreceived SIGTERM: stopping, SIGKILL in 2s\nkilled (SIGKILL)\n"
 
 
 async def test_a_cancel_stops_running_code_with_sigterm_first(world: World) -> None:

@@ -209,6 +209,21 @@ def test_task_runs_setup_then_run_and_every_change_is_an_event() -> None:
     assert (other.task_status, other.exit_code) == (TaskState.FAILED_SETUP, 7)
 
 
+def test_exit_code_runs_fails_only_the_first_runs_of_a_task() -> None:
+    cloud = Cloud(small_cloud(), ManualClock())
+    plan = TaskPlan(runtime=1, exit_code=75, exit_code_runs=2)
+    codes = []
+    for _ in range(3):
+        cluster, _ = cloud.begin_launch(spec(plan=plan))
+        cloud.advance(10)
+        codes.append((cluster.task_status, cluster.exit_code))
+        cloud.terminate(cluster.name)
+    other, _ = cloud.begin_launch(spec("other", job=2, plan=plan))
+    cloud.advance(10)
+    assert codes == [(TaskState.FAILED, 75), (TaskState.FAILED, 75), (TaskState.SUCCEEDED, 0)]
+    assert (other.task_status, other.exit_code) == (TaskState.FAILED, 75)
+
+
 def test_log_lines_are_spread_over_the_runtime_and_cut_by_preemption() -> None:
     cloud = Cloud(small_cloud(), ManualClock())
     plan = TaskPlan(runtime=10, log_lines=("a", "b", "c", "d", "e"), preempt_after=5)
@@ -808,6 +823,36 @@ async def test_a_graceful_terminate_signals_the_task_and_ends_after_the_grace(
     await m.backend.terminate(ended, grace=300)
     record = await m.cluster(ended.cluster_name)
     assert record.status == pb.CLUSTER_STATUS_TERMINATED and not record.HasField("sigterm_time")
+
+
+async def test_a_stop_kills_the_task_after_the_grace_and_keeps_the_cluster_and_its_log(
+    manual: Manual,
+) -> None:
+    m = manual
+    handle = await m.backend.launch(
+        task(1, epoch=2, sim={"runtime_seconds": 1e6, "log_lines": ["x"]})
+    )
+    m.advance(7)
+    with pytest.raises(StaleEpochError):
+        await m.backend.stop(handle, epoch=1, grace=0)
+    await m.backend.stop(m.backend.handle_for("never-launched"), 2, 0)  # nothing to stop
+    stopping = asyncio.create_task(m.backend.stop(handle, epoch=2, grace=30))
+    await eventually(lambda: signalled(m, handle.cluster_name), True)
+    m.advance(29.5)
+    assert not stopping.done()
+    m.advance(0.5)
+    await asyncio.wait_for(stopping, 5)
+    record = await m.cluster(handle.cluster_name)
+    assert record.status == pb.CLUSTER_STATUS_UP
+    assert (record.task_status, record.exit_code) == (pb.TASK_STATUS_FAILED, 137)
+    assert record.task_end_time.ToNanoseconds() / 1e9 == START + 37
+    assert await m.backend.read_logs(handle) == (
+        b"x\nreceived SIGTERM: stopping, SIGKILL in 30s\nkilled (SIGKILL)\n"
+    )
+    # Stopping again has nothing to stop; the terminate that follows is at once.
+    await m.backend.stop(handle, epoch=2, grace=30)
+    await m.backend.terminate(handle, epoch=2, grace=30)
+    assert (await m.cluster(handle.cluster_name)).status == pb.CLUSTER_STATUS_TERMINATED
 
 
 async def read_until(stream: AsyncIterator[bytes], marker: bytes) -> bytes:

@@ -313,6 +313,32 @@ async def test_graceful_terminate_sends_sigterm_before_sigkill(
     assert not h1.task_processes() and not h2.task_processes()
 
 
+async def test_stop_ends_the_task_and_keeps_its_last_words_until_terminate(
+    backends: Factory, hosts: SshHosts
+) -> None:
+    backend = backends(1, 2, 3)
+    polite = "trap 'echo checkpointed; exit 0' TERM; echo ready; while true; do sleep 0.1; done"
+    stubborn = "trap 'echo ignored' TERM; echo ready; while true; do sleep 0.1; done"
+    one = await backend.launch(request("polite", num_nodes=2, run=polite))
+    two = await backend.launch(request("stubborn", job_id=2, epoch=3, run=stubborn))
+    await observed(backend, one, TaskStatus.RUNNING)
+    await observed(backend, two, TaskStatus.RUNNING)
+    with pytest.raises(StaleEpochError):
+        await backend.stop(two, epoch=2, grace=0)  # launched by epoch 3
+
+    await asyncio.gather(backend.stop(one, epoch=1, grace=5), backend.stop(two, epoch=3, grace=0.5))
+
+    used = [host_of(hosts, hid) for h in (one, two) for hid in h.data["hosts"]]
+    assert all(not host.task_processes() for host in used)
+    assert (await backend.read_logs(one)).count(b"checkpointed\n") == 2
+    assert (await backend.read_logs(two)).startswith(b"ready\n")
+    assert b"ignored\n" in await backend.read_logs(two)
+    assert await backend.cluster_exists("polite") and await backend.cluster_exists("stubborn")
+    await asyncio.gather(backend.terminate(one, epoch=1), backend.terminate(two, epoch=3))
+    assert not await backend.cluster_exists("polite")
+    assert not await backend.cluster_exists("stubborn")
+
+
 async def test_a_host_whose_key_is_not_known_is_refused(
     backends: Factory, hosts: SshHosts, tmp_path: Path
 ) -> None:

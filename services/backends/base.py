@@ -255,6 +255,21 @@ class Backend(abc.ABC):
             BackendUnreachableError: the backend cannot be asked now.
         """
 
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        """Stops the task gracefully and keeps the cluster: SIGTERM now, SIGKILL to what
+        is left after `grace` seconds; returns once none of its processes is left.
+
+        What the task wrote while it stopped stays readable (`read_logs`) until the
+        `terminate` that follows, so a checkpoint's last words are kept (SPEC §18).
+        This default terminates with the grace, which serves a backend whose logs
+        outlive its clusters; backends whose logs go with the cluster override it.
+
+        Raises:
+            StaleEpochError: a newer epoch of the job holds the cluster.
+            BackendUnreachableError: the backend cannot be asked now.
+        """
+        await self.terminate(handle, epoch, grace)
+
     @abc.abstractmethod
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Passes a preemption notice on to the task: SIGTERM, and the notice file named by

@@ -415,6 +415,22 @@ class LocalBackend(Backend):
             await self._stop_and_remove(layout, max(0.0, grace))
             lock.discard()
 
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        """Stops the ranks (SIGTERM, `grace` seconds, SIGKILL) and waits for the
+        supervisor to record their end; the folder, logs and end stay until `terminate`.
+
+        Raises:
+            StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
+        """
+        layout = self._layout_or_none(handle.cluster_name)
+        if layout is None or not layout.dir.is_dir():
+            return
+        await asyncio.to_thread(self._prepare)
+        async with self._fence.cluster_lock(handle.cluster_name):
+            await self._admit(layout, epoch, "stop")
+            await self._stop_supervisor(layout, max(0.0, grace))
+            await asyncio.to_thread(self._kill_all, layout)
+
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Writes the deadline to the notice file and sends SIGTERM to every rank; the
         cluster stays up. Nothing happens to a cluster that does not exist.
@@ -446,6 +462,15 @@ class LocalBackend(Backend):
             )
 
     async def _stop_and_remove(self, layout: ClusterLayout, grace: float) -> None:
+        await self._stop_supervisor(layout, grace)
+        await asyncio.to_thread(self._kill_and_remove, layout)
+        child = self._procs.pop(layout.dir.name, None)
+        if child is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(child.wait, 5.0)
+
+    async def _stop_supervisor(self, layout: ClusterLayout, grace: float) -> None:
+        """Has the supervisor stop the ranks with `grace` and waits for it to exit."""
         name = layout.dir.name
         own = self._reap(name)
         supervisor = supervisor_process(layout)
@@ -462,11 +487,6 @@ class LocalBackend(Backend):
                 self._report_stop(layout, grace)
             else:
                 log.warning("cluster %s: its supervisor did not stop; killing everything", name)
-        await asyncio.to_thread(self._kill_and_remove, layout)
-        child = self._procs.pop(name, None)
-        if child is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(child.wait, 5.0)
 
     @staticmethod
     def _report_stop(layout: ClusterLayout, grace: float) -> None:
@@ -478,11 +498,15 @@ class LocalBackend(Backend):
             )
 
     @staticmethod
-    def _kill_and_remove(layout: ClusterLayout) -> None:
+    def _kill_all(layout: ClusterLayout) -> None:
+        """SIGKILLs whatever of the cluster still runs (its folder stays)."""
         pgids, _ = recorded_children(layout)
-        uid = run_uid(read_json(layout.task_file))
+        kill_cluster_processes(layout.dir, pgids, uid=run_uid(read_json(layout.task_file)))
+
+    @classmethod
+    def _kill_and_remove(cls, layout: ClusterLayout) -> None:
         for attempt in range(3):
-            kill_cluster_processes(layout.dir, pgids, uid=uid)
+            cls._kill_all(layout)
             try:
                 shutil.rmtree(layout.dir)
                 return

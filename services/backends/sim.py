@@ -3,7 +3,8 @@
 Clusters live in the sim cloud process, so every controller replica and the
 logs service see the same ones; a cluster is found by its name alone. The task
 a cluster runs behaves as the spec's `sim` key says (runtime_seconds,
-setup_seconds, exit_code, setup_exit_code, log_lines, preempt_after_seconds;
+setup_seconds, exit_code, exit_code_runs, setup_exit_code, log_lines,
+preempt_after_seconds;
 defaults in services/simcloud/clusters.py), and `run` and `setup` are never
 executed.
 
@@ -144,6 +145,7 @@ def launch_request(
         behavior.setup_seconds = float(sim.get("setup_seconds", 0.0))
         behavior.exit_code = int(sim.get("exit_code", 0))
         behavior.setup_exit_code = int(sim.get("setup_exit_code", 0))
+        behavior.exit_code_runs = int(sim.get("exit_code_runs", 0))
         if "log_lines" in sim:
             behavior.log_lines.lines.extend(str(line) for line in sim["log_lines"])
     except (TypeError, ValueError) as exc:
@@ -314,10 +316,23 @@ class SimBackend(Backend):
 
         Returns once the cluster is gone.
         """
+        await self._terminate(handle, epoch, grace, keep_cluster=False)
+
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        """SIGTERM, SIGKILL after `grace` simulated seconds; the cluster and its log stay
+        until `terminate`. Returns once the task is no longer live."""
+        await self._terminate(handle, epoch, grace, keep_cluster=True)
+
+    async def _terminate(
+        self, handle: ClusterHandle, epoch: int, grace: float, *, keep_cluster: bool
+    ) -> None:
         if not (math.isfinite(grace) and grace >= 0):
             raise PrecheckError(f"grace must be a finite number >= 0, got {grace}")
         request = pb.TerminateRequest(
-            cluster_name=handle.cluster_name, epoch=epoch, grace_seconds=grace
+            cluster_name=handle.cluster_name,
+            epoch=epoch,
+            grace_seconds=grace,
+            keep_cluster=keep_cluster,
         )
         timeout = self._timeout
         if grace > 0:

@@ -46,6 +46,9 @@ class BackendWrapper(Backend):
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         await self.inner.terminate(handle, epoch, grace)
 
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        await self.inner.stop(handle, epoch, grace)
+
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         await self.inner.notify_preemption(handle, epoch, deadline)
 

@@ -39,6 +39,10 @@ class LeaseGuard(BackendWrapper):
         await self._check(f"terminate of {handle.cluster_name}")
         await self.inner.terminate(handle, epoch, grace)
 
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        await self._check(f"stop {handle.cluster_name}")
+        await self.inner.stop(handle, epoch, grace)
+
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         await self._check(f"preemption notice to {handle.cluster_name}")
         await self.inner.notify_preemption(handle, epoch, deadline)

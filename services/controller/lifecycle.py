@@ -659,8 +659,10 @@ class JobLifecycle:
     ) -> None:
         """Copies the attempt's logs off the cluster, then terminates it and verifies it is gone.
 
-        With `silent`, one terminate is tried and a backend that still cannot be
-        reached is left to stop the cluster itself (see `_recover`).
+        With a `grace` the task is stopped first (SIGTERM, SIGKILL after the grace) and
+        its logs copied once it stopped, so what it wrote while stopping is kept. With
+        `silent`, one terminate is tried and a backend that still cannot be reached is
+        left to stop the cluster itself (see `_recover`).
 
         Raises:
             CleanupFailed: it could not be terminated (resources may have leaked).
@@ -668,11 +670,29 @@ class JobLifecycle:
         """
         if state.gone and state.handle is handle:
             return
+        if grace > 0 and await self._stop(handle, grace):
+            grace = 0.0  # stopped: nothing is left to wait for
         await self.host.fetch_logs(state.task_id, handle, attempt or state.attempt)
         if not await self._terminate(handle, grace, silent=silent):
             return
         if state.handle is handle or state.handle is None:
             state.gone = True
+
+    async def _stop(self, handle: ClusterHandle, grace: float) -> bool:
+        """Stops the task gracefully, keeping its cluster; False when the backend could not
+        (the terminate that follows then gives the grace).
+
+        Raises:
+            MovedAway: a newer epoch of the job holds the cluster.
+        """
+        try:
+            await self.backend.stop(handle, self.host.epoch, grace)
+        except StaleEpochError as stale:
+            raise MovedAway(f"stop {handle.cluster_name}: {stale}") from stale
+        except BackendError as error:
+            self.host.note(f"stop {handle.cluster_name}: {error}; terminating with the grace")
+            return False
+        return True
 
     async def _terminate(
         self, handle: ClusterHandle, grace: float = 0.0, silent: bool = False

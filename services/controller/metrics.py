@@ -64,6 +64,10 @@ class MeteredBackend(BackendWrapper):
         self._count("terminate")
         await self.inner.terminate(handle, epoch, grace)
 
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        self._count("stop")
+        await self.inner.stop(handle, epoch, grace)
+
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         self._count("notify_preemption")
         await self.inner.notify_preemption(handle, epoch, deadline)

@@ -284,9 +284,12 @@ class Strategy(abc.ABC):
                 raise NoResources(f"{why}; gave up after {failures} failed launch attempts")
             deadline = self._deadline()
             delay = backoff.next()
-            if deadline is not None and deadline.left(self._now()) <= delay:
+            left = deadline.left(self._now()) if deadline is not None else None
+            if deadline is not None and left is not None and left <= delay:
+                # No retry fits before the deadline: wait it out, then give up.
+                await self.slot.release(f"{why}; {deadline.what} ends in {max(left, 0):.2f}s")
+                await self.config.sleep(max(left, 0.0))
                 self.note(f"{prefix}: {why}; {deadline.what} exceeded, giving up")
-                await self.slot.release(f"{deadline.what} exceeded")
                 raise NoResources(f"{deadline.what} exceeded: {why}")
             reason = f"backing off {delay:.2f}s after attempt {attempt}: {why}"
             self.note(f"{prefix}: {reason}")

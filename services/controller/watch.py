@@ -26,7 +26,13 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 
-from services.backends import Backend, BackendError, ClusterHandle, Observation
+from services.backends import (
+    Backend,
+    BackendError,
+    BackendUnreachableError,
+    ClusterHandle,
+    Observation,
+)
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +193,9 @@ class ClusterWatch:
                         for watcher in self._watchers.get(event.cluster_name, ()):
                             watcher.notice(event.notice_deadline)
                     self._deliver(event.cluster_name, event.observation)
+            except BackendUnreachableError as error:
+                # Expected while the backend is down: the looks below say so per cluster.
+                log.warning("backend event stream cut off; reopening", extra={"error": str(error)})
             except Exception:
                 log.exception("backend event stream failed; reopening")
             # A gap in events may have hidden a change: look at every watched cluster.

@@ -156,6 +156,7 @@ _SIM_FIELDS: dict[str, f.Converter] = {
     "preempt_after_seconds": f.seconds,
     "exit_code": f.integer(-MAX_INT32 - 1, MAX_INT32),
     "setup_exit_code": f.integer(-MAX_INT32 - 1, MAX_INT32),
+    "exit_code_runs": f.integer(0, MAX_INT32),
     "log_lines": f.string_list,
 }
 

@@ -62,9 +62,12 @@ from services.simcloud.regions import LaunchSpec, Region, candidates, check_shap
 log = logging.getLogger(__name__)
 
 # Timer kinds. _PREEMPT decides a spot reclaim (announced when the region gives
-# notice); _RECLAIM is a notice's deadline; _KILL ends a graceful terminate.
+# notice); _RECLAIM is a notice's deadline; _KILL ends a graceful terminate and
+# _STOP_KILL a graceful stop (the task killed, the cluster kept).
 _UP, _SETUP_END, _RUN_END = "up", "setup_end", "run_end"
-_PREEMPT, _RECLAIM, _KILL = "preempt", "reclaim", "kill"
+_PREEMPT, _RECLAIM, _KILL, _STOP_KILL = "preempt", "reclaim", "kill", "stop_kill"
+# The exit code of a task killed by SIGKILL, as a shell reports it.
+SIGKILL_EXIT_CODE = 137
 # Timers due within this much real time are fired now rather than slept for.
 _REAL_TOLERANCE = 0.0005
 
@@ -82,6 +85,8 @@ class Cloud:
         self._wake = asyncio.Event()
         self._epochs: dict[int, int] = {}
         self._scripted: set[tuple[int, int]] = set()
+        # Per (job, task) with `exit_code_runs`: how many of its runs exited with exit_code.
+        self._failing_runs: dict[tuple[int, int], int] = {}
         self._live = 0
         self._terminated = 0
         self._preempted = 0
@@ -136,6 +141,8 @@ class Cloud:
                     self._preempt(cluster, due, message)
                 elif kind == _KILL and cluster.kill_at == due:
                     self._terminate(cluster, due, replaced=False)
+                elif kind == _STOP_KILL and cluster.stop_at == due and cluster.task_live:
+                    self._kill_task(cluster, due)
             except Exception:
                 # A bug in one cluster's timer must not stop time for every other cluster.
                 log.exception("timer failed", extra={"kind": kind, "cluster": cluster.name})
@@ -311,6 +318,48 @@ class Cloud:
             self._terminate(cluster, now, replaced=False)
         return cluster
 
+    def begin_stop(self, name: str, epoch: int = 0, grace: float = 0.0) -> Cluster | None:
+        """Stops the task of the cluster of this name and keeps the cluster: SIGTERM now
+        (recorded, a line in its log), SIGKILL `grace` simulated seconds later (the task
+        ends FAILED, exit code 137). None when there is no live task to stop.
+
+        Raises:
+            StaleEpoch: `epoch` (when given) is below the highest seen for the job.
+        """
+        cluster = self._by_name.get(name)
+        if cluster is None or not cluster.task_live:
+            return None
+        try:
+            self._fence(cluster, epoch, "stop")
+        except StaleEpoch:
+            self._stale_terminates += 1
+            raise
+        now = self.clock.now()
+        if cluster.stop_at is None:
+            cluster.sigterm_time = now
+            cluster.add_note(now, f"received SIGTERM: stopping, SIGKILL in {grace:g}s")
+            self.events.wake()
+        if cluster.stop_at is None or now + grace < cluster.stop_at:
+            if grace <= 0:
+                self._kill_task(cluster, now)
+            else:
+                cluster.stop_at = now + grace
+                self._schedule(cluster.stop_at, _STOP_KILL, cluster)
+        return cluster
+
+    def _kill_task(self, cluster: Cluster, now: float) -> None:
+        cluster.stop_at = None
+        cluster.task_status = TaskState.FAILED
+        cluster.exit_code = SIGKILL_EXIT_CODE
+        cluster.task_end_time = now
+        cluster.add_note(now, "killed (SIGKILL)")
+        self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, "run killed by SIGKILL")
+
+    async def wait_stopped(self, cluster: Cluster) -> None:
+        """Returns once the cluster's task is no longer live."""
+        while cluster.task_live:
+            await self.events.wait(None)
+
     def _kill_at(self, cluster: Cluster, now: float, grace: float) -> None:
         if grace <= 0:
             self._terminate(cluster, now, replaced=False)
@@ -410,12 +459,24 @@ class Cloud:
     def _on_run_end(self, cluster: Cluster, now: float) -> None:
         if cluster.status != ClusterState.UP or cluster.task_status != TaskState.RUNNING:
             return
-        code = cluster.plan.exit_code
+        code = self._run_exit_code(cluster)
         cluster.task_status = TaskState.SUCCEEDED if code == 0 else TaskState.FAILED
         cluster.exit_code = code
         cluster.task_end_time = now
         self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, f"run exited with {code}")
         self._end_if_terminating(cluster, now)
+
+    def _run_exit_code(self, cluster: Cluster) -> int:
+        """The plan's exit code, or 0 once `exit_code_runs` runs of the task exited with it."""
+        plan = cluster.plan
+        if plan.exit_code_runs <= 0:
+            return plan.exit_code
+        key = (cluster.job_id, cluster.task_id)
+        runs = self._failing_runs.get(key, 0)
+        if runs >= plan.exit_code_runs:
+            return 0
+        self._failing_runs[key] = runs + 1
+        return plan.exit_code
 
     def _end_if_terminating(self, cluster: Cluster, now: float) -> None:
         """A graceful terminate ends as soon as there is no live task left to wait for."""

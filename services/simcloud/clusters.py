@@ -69,6 +69,7 @@ class TaskPlan:
 
     __slots__ = (
         "exit_code",
+        "exit_code_runs",
         "has_setup",
         "log_lines",
         "preempt_after",
@@ -86,11 +87,14 @@ class TaskPlan:
         setup_exit_code: int = 0,
         log_lines: tuple[str, ...] | None = None,
         preempt_after: float | None = None,
+        exit_code_runs: int = 0,
     ) -> None:
         self.runtime = runtime
         self.setup_seconds = setup_seconds
         self.has_setup = has_setup or setup_seconds > 0 or setup_exit_code != 0
         self.exit_code = exit_code
+        # > 0: only the first this many runs of the (job, task) exit with exit_code.
+        self.exit_code_runs = exit_code_runs
         self.setup_exit_code = setup_exit_code
         self.log_lines = log_lines
         self.preempt_after = preempt_after
@@ -122,6 +126,7 @@ class Cluster:
         "sigterm_time",
         "spot",
         "status",
+        "stop_at",
         "task_end_time",
         "task_id",
         "task_status",
@@ -173,6 +178,8 @@ class Cluster:
         self.notice_delivered_deadline: float | None = None
         # Terminate: when the live task got SIGTERM, and when the cluster goes (simulated).
         self.sigterm_time: float | None = None
+        # A stop (the cluster kept): when its task is killed (simulated).
+        self.stop_at: float | None = None
         self.kill_at: float | None = None
         # (plan lines emitted before it, text) for each signal note in the log.
         self.notes: list[tuple[int, str]] | None = None

@@ -47,6 +47,7 @@ def launch_spec(request: pb.LaunchRequest) -> LaunchSpec:
         setup_seconds=behavior.setup_seconds,
         has_setup=behavior.has_setup,
         exit_code=behavior.exit_code,
+        exit_code_runs=behavior.exit_code_runs,
         setup_exit_code=behavior.setup_exit_code,
         log_lines=tuple(behavior.log_lines.lines) if behavior.HasField("log_lines") else None,
         preempt_after=(

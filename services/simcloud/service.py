@@ -89,6 +89,12 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
         bounds.integer(request.epoch, "epoch")
         grace = bounds.number(request.grace_seconds, "grace_seconds")
         self.cloud.check_reachable()
+        if request.keep_cluster:
+            stopping = self.cloud.begin_stop(request.cluster_name, request.epoch, grace)
+            if stopping is None:
+                return pb.TerminateResponse(terminated=False)
+            await self.cloud.wait_stopped(stopping)
+            return pb.TerminateResponse(terminated=False, signalled=True)
         cluster = self.cloud.begin_terminate(request.cluster_name, request.epoch, grace)
         if cluster is None:
             return pb.TerminateResponse(terminated=False)

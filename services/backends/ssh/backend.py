@@ -360,10 +360,33 @@ class SSHBackend(Backend):
             raise self._fleet.unreachable(silent, f"terminating {name}")
         self._launches.pop(name, None)
 
+    async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
+        """SIGTERM, then SIGKILL after `grace`, to every rank; the folders (and their
+        logs) and the hosts stay the cluster's until `terminate`.
+
+        Raises:
+            StaleEpochError: a newer epoch of the job holds the cluster.
+            BackendUnreachableError: a host of the cluster did not answer.
+        """
+        tenths = str(max(0, round(grace * 10)))
+        timeout = grace + self._fleet.conns.command_timeout
+        await self._on_each_rank(handle, epoch, "stop", tenths, timeout=timeout)
+
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Writes the notice file (`MJ_PREEMPTION_NOTICE_FILE`, holding `deadline`) on
         every rank and SIGTERMs the ranks; a rank that then exits leaves no end time,
         so the cluster reads as gone (preempted), not as finished.
+
+        Raises:
+            StaleEpochError: a newer epoch of the job holds the cluster.
+            BackendUnreachableError: a host of the cluster did not answer.
+        """
+        await self._on_each_rank(handle, epoch, "notify", f"{deadline}")
+
+    async def _on_each_rank(
+        self, handle: ClusterHandle, epoch: int, verb: str, arg: str, timeout: float | None = None
+    ) -> None:
+        """Runs `verb NAME LAUNCH EPOCH ARG` on every host of the cluster's launch.
 
         Raises:
             StaleEpochError: a newer epoch of the job holds the cluster.
@@ -377,7 +400,7 @@ class SSHBackend(Backend):
         results = await asyncio.gather(
             *(
                 self._fleet.lines(
-                    host, "notify", launch.name, launch.launch, str(epoch), f"{deadline}"
+                    host, verb, launch.name, launch.launch, str(epoch), arg, timeout=timeout
                 )
                 for host in hosts
             ),
@@ -393,7 +416,7 @@ class SSHBackend(Backend):
                     f"holds {launch.name}"
                 )
         if silent:
-            raise self._fleet.unreachable(silent, f"notifying {launch.name}")
+            raise self._fleet.unreachable(silent, f"{verb} {launch.name}")
 
     async def cluster_exists(self, cluster_name: str) -> bool:
         """True while any host that answers holds a reservation, folder or process of the

@@ -270,21 +270,25 @@ terminate_finish() {
   return 0
 }
 
+# SIGTERM to everything of folder $1, SIGKILL to what is left after $2 tenths of a second.
+stop_folder() {
+  local folder=$1 tenths=$2 i
+  signal_folder "$folder" TERM
+  for ((i = 0; i < tenths; i++)); do
+    folder_running "$folder" || break
+    sleep 0.1
+  done
+  kill_folder "$folder"
+}
+
 # terminate NAME EPOCH GRACE_TENTHS: SIGTERM, SIGKILL after the grace, then removes
 # every launch of NAME here and releases the host if NAME holds it.
 do_terminate() {
-  local name=$1 epoch=$2 tenths=$3 reply word launch folder i
+  local name=$1 epoch=$2 tenths=$3 reply word launch
   reply=$(locked terminate_check "$name" "$epoch")
   read -r word launch <<<"$reply"
   if [ "$word" != target ]; then echo "$reply"; return; fi
-  if [ "$launch" != - ]; then
-    folder=$(folder_of "$name" "$launch")
-    signal_folder "$folder" TERM
-    for ((i = 0; i < tenths; i++)); do
-      folder_running "$folder" || break
-      sleep 0.1
-    done
-  fi
+  [ "$launch" != - ] && stop_folder "$(folder_of "$name" "$launch")" "$tenths"
   locked terminate_finish "$name" "$launch"
   if [ "$launch" = - ]; then echo "absent"; else echo "ok"; fi
   empty_trash
@@ -303,17 +307,35 @@ release_locked() {
   fi
 }
 
-# notify NAME LAUNCH EPOCH DEADLINE: the preemption notice file, then SIGTERM.
-notify_locked() {
-  local name=$1 launch=$2 epoch=$3 folder
+# Whether launch $1 holds the host and epoch $2 may act on it: prints "ok" or why not.
+launch_check() {
+  local launch=$1 epoch=$2
   if ! read_owner || [ "$o_launch" != "$launch" ]; then echo "absent"; return; fi
   if ((epoch > 0 && (o_epoch > epoch || $(get "$FENCE/job-$o_job" 0) > epoch))); then
     echo "stale epoch=$o_epoch"
     return
   fi
-  folder=$(folder_of "$name" "$launch")
+  echo "ok"
+}
+
+# notify NAME LAUNCH EPOCH DEADLINE: the preemption notice file, then SIGTERM.
+notify_locked() {
+  local reply folder
+  reply=$(launch_check "$2" "$3")
+  if [ "$reply" != ok ]; then echo "$reply"; return; fi
+  folder=$(folder_of "$1" "$2")
   put "$folder/preemption-notice" "$4"
   signal_folder "$folder" TERM
+  echo "ok"
+}
+
+# stop NAME LAUNCH EPOCH GRACE_TENTHS: SIGTERM, SIGKILL after the grace; the folder,
+# its logs and the reservation stay until `terminate`.
+do_stop() {
+  local reply
+  reply=$(locked launch_check "$2" "$3")
+  if [ "$reply" != ok ]; then echo "$reply"; return; fi
+  stop_folder "$(folder_of "$1" "$2")" "$4"
   echo "ok"
 }
 
@@ -362,6 +384,7 @@ case "$verb" in
   terminate) do_terminate "$@" ;;
   release) locked release_locked "$@" && empty_trash ;;
   notify) locked notify_locked "$@" ;;
+  stop) do_stop "$@" ;;
   logs) do_logs "$@" ;;
   ping) echo "pong" ;;
   *) echo "error what=unknown-verb"; exit 2 ;;

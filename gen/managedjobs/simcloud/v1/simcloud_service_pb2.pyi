@@ -185,6 +185,7 @@ class TaskBehavior(_message.Message):
     SETUP_EXIT_CODE_FIELD_NUMBER: _builtins.int
     LOG_LINES_FIELD_NUMBER: _builtins.int
     PREEMPT_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_RUNS_FIELD_NUMBER: _builtins.int
     runtime_seconds: _builtins.float
     """Simulated seconds the run takes; 1 when unset. Durations here are 0..1e10."""
     setup_seconds: _builtins.float
@@ -200,6 +201,10 @@ class TaskBehavior(_message.Message):
     """The first spot cluster of this (job, task) is reclaimed this many simulated
     seconds after it is UP (announced then; DOWN `notice_seconds` of its region
     later); later clusters of the task are not.
+    """
+    exit_code_runs: _builtins.int
+    """When > 0, only the first this many runs of this (job, task) exit with
+    exit_code; later runs exit 0. 0: every run does.
     """
     @_builtins.property
     def log_lines(self) -> Global___LogLines:
@@ -217,10 +222,11 @@ class TaskBehavior(_message.Message):
         setup_exit_code: _builtins.int = ...,
         log_lines: Global___LogLines | None = ...,
         preempt_after_seconds: _builtins.float | None = ...,
+        exit_code_runs: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "exit_code", b"exit_code", "has_setup", b"has_setup", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "setup_exit_code", b"setup_exit_code", "setup_seconds", b"setup_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "exit_code", b"exit_code", "exit_code_runs", b"exit_code_runs", "has_setup", b"has_setup", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "setup_exit_code", b"setup_exit_code", "setup_seconds", b"setup_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__preempt_after_seconds: _TypeAlias = _typing.Literal["preempt_after_seconds"]  # noqa: Y015
     _WhichOneofArgType__preempt_after_seconds: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds"]  # noqa: Y015
@@ -526,6 +532,7 @@ class TerminateRequest(_message.Message):
     CLUSTER_NAME_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     GRACE_SECONDS_FIELD_NUMBER: _builtins.int
+    KEEP_CLUSTER_FIELD_NUMBER: _builtins.int
     cluster_name: _builtins.str
     epoch: _builtins.int
     """The caller's assignment epoch for the cluster's job; 0 for operators. A call
@@ -533,16 +540,22 @@ class TerminateRequest(_message.Message):
     """
     grace_seconds: _builtins.float
     """Simulated seconds between SIGTERM to a live task and the end of the cluster."""
+    keep_cluster: _builtins.bool
+    """Stop the task only: SIGTERM, and SIGKILL after `grace_seconds` (the task ends
+    FAILED with exit code 137); the cluster stays UP with its log until a Terminate
+    without this. Returns once the task is no longer live.
+    """
     def __init__(
         self,
         *,
         cluster_name: _builtins.str = ...,
         epoch: _builtins.int = ...,
         grace_seconds: _builtins.float = ...,
+        keep_cluster: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "epoch", b"epoch", "grace_seconds", b"grace_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "epoch", b"epoch", "grace_seconds", b"grace_seconds", "keep_cluster", b"keep_cluster"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
