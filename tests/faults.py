@@ -297,14 +297,18 @@ class FaultRunner:
                 return
             victim_cluster = live[fault.pick % len(live)]
             request = spb.PreemptClusterRequest(cluster_name=victim_cluster.name)
-            preempted = self.client.cloud.PreemptCluster(request, timeout=10).preempted
+            preempted = self.client.retrying(
+                lambda: self.client.cloud.PreemptCluster(request, timeout=10)
+            ).preempted
             state = spb.ClusterStatus.Name(victim_cluster.status)
             record.detail = (
                 f"{victim_cluster.name}#{victim_cluster.cluster_id} ({state}): {preempted}"
             )
         elif kind == FaultKind.PREEMPT_REGION:
             request_region = spb.PreemptRegionRequest(region=fault.target)
-            names = self.client.cloud.PreemptRegion(request_region, timeout=10).cluster_names
+            names = self.client.retrying(
+                lambda: self.client.cloud.PreemptRegion(request_region, timeout=10)
+            ).cluster_names
             record.detail = f"{len(names)} clusters"
 
     def _held(self, victim: Service) -> list[int]:

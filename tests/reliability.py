@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -409,7 +410,8 @@ class Client:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _retrying(self, call: Callable[[], T], deadline: float = 60.0) -> T:
+    def retrying(self, call: Callable[[], T], deadline: float = 60.0) -> T:
+        """Calls until it answers anything but UNAVAILABLE or DEADLINE_EXCEEDED, or the deadline."""
         give_up = time.monotonic() + deadline
         while True:
             try:
@@ -433,11 +435,11 @@ class Client:
                 return out
 
     def _list(self, request: pb.ListJobsRequest) -> pb.ListJobsResponse:
-        return self._retrying(lambda: self.jobs.ListJobs(request, timeout=30))
+        return self.retrying(lambda: self.jobs.ListJobs(request, timeout=30))
 
     def get_job(self, job_id: int) -> job_pb2.Job:
         request = pb.GetJobRequest(job_id=job_id)
-        return self._retrying(lambda: self.jobs.GetJob(request, timeout=10).job)
+        return self.retrying(lambda: self.jobs.GetJob(request, timeout=10).job)
 
     def held_by(self, controller_id: str, user: str = USER) -> list[int]:
         """Unfinished jobs assigned to a replica right now."""
@@ -446,20 +448,20 @@ class Client:
 
     def cancel(self, job_ids: Sequence[int]) -> None:
         request = pb.CancelJobsRequest(job_ids=list(job_ids))
-        self._retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
+        self.retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
 
     def cancel_all(self, user: str = USER) -> None:
         request = pb.CancelJobsRequest(all=True, user=user)
-        self._retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
+        self.retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
 
     def scheduler_state(self) -> scheduler_service_pb2.GetSchedulerStateResponse:
         request = scheduler_service_pb2.GetSchedulerStateRequest()
-        return self._retrying(lambda: self.scheduler.GetSchedulerState(request, timeout=10))
+        return self.retrying(lambda: self.scheduler.GetSchedulerState(request, timeout=10))
 
     def controller_state(self, service: Service) -> cpb.GetControllerStateResponse:
         stub = controller_service_pb2_grpc.ControllerServiceStub(self.channel(service.address))
         request = cpb.GetControllerStateRequest()
-        return self._retrying(lambda: stub.GetControllerState(request, timeout=10))
+        return self.retrying(lambda: stub.GetControllerState(request, timeout=10))
 
     def inventory(self) -> list[spb.Cluster]:
         """Every cluster the sim cloud ever launched, in launch order."""
@@ -467,14 +469,17 @@ class Client:
         token = ""
         while True:
             request = spb.ListInventoryRequest(page_size=10000, page_token=token)
-            reply = self.cloud.ListInventory(request, timeout=30)
+            # The sim cloud is the world, not the system under test: a busy machine's
+            # slow connect is retried.
+            reply = self.retrying(functools.partial(self.cloud.ListInventory, request, timeout=30))
             out.extend(reply.clusters)
             token = reply.next_page_token
             if not token:
                 return out
 
     def cloud_state(self) -> spb.GetCloudStateResponse:
-        return self.cloud.GetCloudState(spb.GetCloudStateRequest(), timeout=10)
+        request = spb.GetCloudStateRequest()
+        return self.retrying(lambda: self.cloud.GetCloudState(request, timeout=10))
 
     def health(self, address: str, timeout: float = 1.0) -> int | None:
         """The server's overall grpc.health.v1 status, or None when it does not answer."""
@@ -839,7 +844,7 @@ def judge(
             for a test marked `xfail(strict=True, raises=KnownFailures)`: it fails
             outright on anything new, and passes (strictly: flips) once all are fixed.
     """
-    assert not problems, "\n".join(problems)
+    assert not problems, "\n".join([*problems, details])
     known = set(known)
     unknown = [v for v in violations if v.kind not in known]
     assert not unknown, details or describe(violations)
