@@ -3,7 +3,8 @@
 `plan_workload` turns a seed into a `WorkloadPlan`: when each job is submitted,
 its tasks (a chain when several) and their simulated runtimes, whether it runs on
 spot, and whether and when it is cancelled. The same seed gives the same plan.
-`Workload` carries a plan out against a running system, on one thread:
+`Workload` carries a plan out against a running system, on one thread (cancels
+that an event triggers go to a small pool, off the event log's thread):
 
 - a cancel `AFTER_SUBMIT` is sent the moment the submission is answered (the job
   is still queued, or being admitted);
@@ -12,8 +13,10 @@ spot, and whether and when it is cancelled. The same seed gives the same plan.
 - a cancel `LATER` is sent a planned delay after the submission (anywhere in its
   life: queued, launching, running or recovering).
 
-Submissions and cancels are retried through outages (`Client`); what they could
-not do is an error of the run, never silently dropped.
+Submissions and cancels are retried through outages (`Client`), and through
+INTERNAL answers, which are recorded (`Workload.internal`: the API must never give
+one) so that the run goes on and is judged whole; what they could not do is an
+error of the run, never silently dropped.
 """
 
 from __future__ import annotations
