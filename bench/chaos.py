@@ -6,8 +6,10 @@ fresh PostgreSQL database, three controller replicas, logs, a seeded
 three-region sim cloud with random spot preemptions), jobs submitted at a
 steady rate with idempotency keys, a random replica SIGKILLed at seeded random
 intervals and restarted with the same id after a seeded random delay. Once every
-job is DONE it checks the invariants of SPEC §9 (one terminal status per job,
-no duplicate launch, no cluster left) and prints one JSON line: the figures
+job is DONE it judges the run's durable record with the history checker
+(`tests/history.py`: one terminal status per job, no finished task redone, no
+duplicate launch, no cluster left; the other kinds counted) and prints one JSON
+line: the figures
 (resume latency after a kill, p50 and p99, against the §15 target of lease TTL
 + 2 s; kills, preemptions, recoveries), the problems found, and the machine.
 Exits 1 when it found a problem.
@@ -82,12 +84,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **report.figures,
                 "kill_interval_seconds": list(config.kill_interval),
                 "first_problems": report.problems[:20],
+                "first_violations": [str(v) for v in report.violations[:20]],
                 "machine": machine(),
             }
         ),
         flush=True,
     )
-    return 1 if report.problems else 0
+    return 1 if report.problems or report.violations else 0
 
 
 if __name__ == "__main__":

@@ -5,17 +5,17 @@ starts the topology of SPEC §13 as real processes (`services.stack.Stack`) on a
 fresh PostgreSQL database and a seeded three-region sim cloud, drives it only
 through its public APIs (JobService, SchedulerService, ControllerService,
 grpc.health.v1 and the sim cloud's operator API), and judges it by what SPEC §9
-and §16 promise:
+and §16 promise, from the durable record alone: `collect_history` reads the
+database's whole event log (with epochs) once the system is quiet, the sim cloud's
+inventory (who launched each cluster, with which epoch, and when it was preempted
+and terminated) and its fencing counters, and `history.check` judges them (one
+terminal status per job, no finished task redone, no two live clusters of a task,
+no stale epoch accepted or used, no cluster left, counters equal to a recount).
 
-- every job ends in exactly one terminal status, and no finished task is redone
-  (the database's event log, read in full once the system is quiet);
-- no two launches of one task are live at once, and no cluster is left behind
-  (the sim cloud's inventory: who launched each cluster, with which epoch, and
-  when it was preempted and terminated);
-- a killed replica's jobs are RUNNING again within the lease TTL plus a little.
-
-The chaos soak itself lives in `soak.py`. Randomness comes from one seed: the
-workload, the kill times, the victims and the cloud's preemptions.
+The workloads and fault schedules live in `workload.py` and `faults.py`; the chaos
+soak in `soak.py` and the randomized fault run in `history_run.py`. Randomness
+comes from one seed: the workload, the fault times, the victims and the cloud's
+preemptions.
 
 Outcomes are never decided by a bare sleep: waits are on events (WatchJobs),
 health or process state, each with a deadline.
@@ -29,6 +29,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -44,6 +45,18 @@ from typing import Any, TypeVar
 import asyncpg  # type: ignore[import-untyped]
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from history import (
+    CloudCounters,
+    ClusterRecord,
+    CounterSnapshot,
+    EventRecord,
+    History,
+    Kind,
+    Violation,
+    check,
+    counter_drift,
+    describe,
+)
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
@@ -66,8 +79,6 @@ ADMIN_URL = os.environ.get("MJ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 USER = "reliability"
 REGIONS = ("us-east-1", "us-west-2", "eu-west-1")
-# The scheduler's event for a job taken up again by a replica (services/scheduler/admission.py).
-RESUMED_PREFIX = "resumed on "
 ACTIVE_STATUSES = tuple(s for s in JobStatus if s not in TERMINAL)
 # Clients reconnect within a fraction of a second of a restarted server.
 CHANNEL_OPTIONS = [
@@ -119,20 +130,6 @@ def fresh_database(admin_url: str = ADMIN_URL) -> Iterator[str]:
     finally:
         with contextlib.suppress(Exception):
             _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-
-@dataclasses.dataclass(frozen=True)
-class EventRecord:
-    """One row of the scheduler's event log, with the epoch that wrote it."""
-
-    event_id: int
-    job_id: int
-    task_id: int
-    status: JobStatus
-    schedule_state: ScheduleState
-    time: float
-    message: str
-    epoch: int
 
 
 E = TypeVar("E", JobStatus, ScheduleState)
@@ -416,7 +413,8 @@ class Client:
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
-    def _retrying(self, call: Callable[[], T], deadline: float = 60.0) -> T:
+    def retrying(self, call: Callable[[], T], deadline: float = 60.0) -> T:
+        """Calls until it answers anything but UNAVAILABLE or DEADLINE_EXCEEDED, or the deadline."""
         give_up = time.monotonic() + deadline
         while True:
             try:
@@ -440,11 +438,11 @@ class Client:
                 return out
 
     def _list(self, request: pb.ListJobsRequest) -> pb.ListJobsResponse:
-        return self._retrying(lambda: self.jobs.ListJobs(request, timeout=30))
+        return self.retrying(lambda: self.jobs.ListJobs(request, timeout=30))
 
     def get_job(self, job_id: int) -> job_pb2.Job:
         request = pb.GetJobRequest(job_id=job_id)
-        return self._retrying(lambda: self.jobs.GetJob(request, timeout=10).job)
+        return self.retrying(lambda: self.jobs.GetJob(request, timeout=10).job)
 
     def held_by(self, controller_id: str, user: str = USER) -> list[int]:
         """Unfinished jobs assigned to a replica right now."""
@@ -453,20 +451,20 @@ class Client:
 
     def cancel(self, job_ids: Sequence[int]) -> None:
         request = pb.CancelJobsRequest(job_ids=list(job_ids))
-        self._retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
+        self.retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
 
     def cancel_all(self, user: str = USER) -> None:
         request = pb.CancelJobsRequest(all=True, user=user)
-        self._retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
+        self.retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
 
     def scheduler_state(self) -> scheduler_service_pb2.GetSchedulerStateResponse:
         request = scheduler_service_pb2.GetSchedulerStateRequest()
-        return self._retrying(lambda: self.scheduler.GetSchedulerState(request, timeout=10))
+        return self.retrying(lambda: self.scheduler.GetSchedulerState(request, timeout=10))
 
     def controller_state(self, service: Service) -> cpb.GetControllerStateResponse:
         stub = controller_service_pb2_grpc.ControllerServiceStub(self.channel(service.address))
         request = cpb.GetControllerStateRequest()
-        return self._retrying(lambda: stub.GetControllerState(request, timeout=10))
+        return self.retrying(lambda: stub.GetControllerState(request, timeout=10))
 
     def inventory(self) -> list[spb.Cluster]:
         """Every cluster the sim cloud ever launched, in launch order."""
@@ -474,14 +472,17 @@ class Client:
         token = ""
         while True:
             request = spb.ListInventoryRequest(page_size=10000, page_token=token)
-            reply = self.cloud.ListInventory(request, timeout=30)
+            # The sim cloud is the world, not the system under test: a busy machine's
+            # slow connect is retried.
+            reply = self.retrying(functools.partial(self.cloud.ListInventory, request, timeout=30))
             out.extend(reply.clusters)
             token = reply.next_page_token
             if not token:
                 return out
 
     def cloud_state(self) -> spb.GetCloudStateResponse:
-        return self.cloud.GetCloudState(spb.GetCloudStateRequest(), timeout=10)
+        request = spb.GetCloudStateRequest()
+        return self.retrying(lambda: self.cloud.GetCloudState(request, timeout=10))
 
     def health(self, address: str, timeout: float = 1.0) -> int | None:
         """The server's overall grpc.health.v1 status, or None when it does not answer."""
@@ -515,6 +516,10 @@ class EventLog:
         self._stop = threading.Event()
         self._call: Any = None
         self._thread = threading.Thread(target=self._run, name="event-log", daemon=True)
+        self._triggers: dict[
+            int, list[tuple[Callable[[job_pb2.JobEvent], bool], Callable[[], None]]]
+        ]
+        self._triggers = collections.defaultdict(list)
 
     def start(self) -> EventLog:
         self._thread.start()
@@ -546,7 +551,32 @@ class EventLog:
             self.by_job[event.job_id].append(event)
             if event.schedule_state == ScheduleState.DONE:
                 self.done.add(event.job_id)
+            fired = self._fire(event.job_id, [event])
             self._changed.notify_all()
+        for action in fired:
+            action()
+
+    def when(
+        self,
+        job_id: int,
+        predicate: Callable[[job_pb2.JobEvent], bool],
+        action: Callable[[], None],
+    ) -> None:
+        """Calls `action` once, at the first event of the job for which `predicate` holds
+        (at once if one was seen already). `action` runs on the log's thread: keep it short."""
+        with self._changed:
+            self._triggers[job_id].append((predicate, action))
+            fired = self._fire(job_id, self.by_job.get(job_id, []))
+        for run in fired:
+            run()
+
+    def _fire(self, job_id: int, events: Sequence[job_pb2.JobEvent]) -> list[Callable[[], None]]:
+        triggers = self._triggers.get(job_id)
+        if not triggers:
+            return []
+        fired = [a for p, a in triggers if any(p(e) for e in events)]
+        triggers[:] = [(p, a) for p, a in triggers if a not in fired]
+        return fired
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Waits until `predicate()` (called under the log's lock) holds, or the timeout."""
@@ -594,6 +624,49 @@ class EventLog:
             self.wait_for(lambda: not (wanted - self.done), min(deadline, next_check) - now)
 
 
+@dataclasses.dataclass
+class System:
+    """The system under test with its clients: what a reliability test drives and reads."""
+
+    stack: Stack
+    client: Client
+    events: EventLog
+    db: Database
+
+
+@contextlib.contextmanager
+def system(
+    data_dir: Path,
+    admin_url: str,
+    cloud_yaml: str,
+    replicas: int = 3,
+    scheduler_extra: Sequence[str] = (),
+    lease_ttl: float = 3.0,
+    heartbeat_interval: float | None = None,
+    log: Log = print,
+) -> Iterator[System]:
+    """The whole system on a fresh database, with clients and a live event log; stopped after."""
+    with fresh_database(admin_url) as url:
+        stack = start_stack(
+            data_dir,
+            url,
+            cloud_yaml,
+            replicas=replicas,
+            lease_ttl=lease_ttl,
+            heartbeat_interval=heartbeat_interval or min(0.5, lease_ttl / 5),
+            scheduler_extra=scheduler_extra,
+        )
+        log(f"service logs in {data_dir / 'service-logs'}")
+        client = Client(stack)
+        events = EventLog(stack.scheduler_address, stack.client_security).start()
+        try:
+            yield System(stack, client, events, Database(url))
+        finally:
+            events.close()
+            client.close()
+            stack.stop()
+
+
 # --- figures and invariants ---------------------------------------------------------------
 
 
@@ -608,34 +681,6 @@ def percentile(values: Sequence[float], p: float) -> float | None:
 
 def _ts(stamp: Any) -> float | None:
     return stamp.ToNanoseconds() / 1e9 if stamp.ToNanoseconds() else None
-
-
-def overlapping_launches(clusters: Sequence[spb.Cluster]) -> list[str]:
-    """Launches of a (job, task) made while another cluster of it was still live.
-
-    A cluster is live from its launch until it was preempted or terminated. Two
-    live clusters of one task mean two launches of one task attempt.
-    """
-    by_task: dict[tuple[int, int], list[spb.Cluster]] = collections.defaultdict(list)
-    for cluster in clusters:
-        by_task[(cluster.job_id, cluster.task_id)].append(cluster)
-    found: list[str] = []
-    for (job_id, task_id), group in by_task.items():
-        latest_end = -math.inf
-        latest: spb.Cluster | None = None
-        for cluster in sorted(group, key=lambda c: (_ts(c.launch_time) or 0.0, c.cluster_id)):
-            launched = _ts(cluster.launch_time) or 0.0
-            if latest is not None and latest_end > launched:
-                found.append(
-                    f"job {job_id} task {task_id}: cluster {cluster.cluster_id} (epoch "
-                    f"{cluster.epoch}) launched while cluster {latest.cluster_id} (epoch "
-                    f"{latest.epoch}) was live"
-                )
-            ends = [t for t in (_ts(cluster.preempt_time), _ts(cluster.terminate_time)) if t]
-            end = min(ends) if ends else math.inf
-            if end > latest_end:
-                latest_end, latest = end, cluster
-    return found
 
 
 def describe_cluster(cluster: spb.Cluster) -> str:
@@ -673,66 +718,153 @@ def describe_job(client: Client, db: Database | None, job_id: int) -> str:
     return "\n".join(lines)
 
 
-def cloud_problems(client: Client, db: Database | None = None) -> tuple[list[str], dict[str, int]]:
-    """No duplicate launch, no cluster left: from the inventory and the cloud's counters.
+def cluster_record(cluster: spb.Cluster) -> ClusterRecord:
+    """An inventory record as the history checker reads it."""
+    return ClusterRecord(
+        cluster_id=int(cluster.cluster_id),
+        name=cluster.name,
+        job_id=int(cluster.job_id),
+        task_id=int(cluster.task_id),
+        epoch=int(cluster.epoch),
+        launch_time=_ts(cluster.launch_time) or 0.0,
+        task_end_time=_ts(cluster.task_end_time),
+        exit_code=int(cluster.exit_code),
+        preempt_time=_ts(cluster.preempt_time),
+        terminate_time=_ts(cluster.terminate_time),
+        replaced=bool(cluster.replaced),
+    )
 
-    With `db`, a leaked cluster's problem carries its job's clusters and events.
+
+def reported_counters(state: scheduler_service_pb2.GetSchedulerStateResponse) -> dict[str, int]:
+    """The scheduler's counters, named as `history.CounterSnapshot` names them."""
+    out = {
+        "launching": int(state.launching),
+        "alive": int(state.alive),
+        "waiting": int(state.waiting),
+        "alive_waiting": int(state.alive_waiting),
+    }
+    for replica in state.replicas:
+        out[f"{replica.controller_id}.launching"] = int(replica.launching)
+        out[f"{replica.controller_id}.alive"] = int(replica.alive)
+    return out
+
+
+def counter_snapshot(
+    client: Client, db: Database, label: str, settle: float = 10.0
+) -> CounterSnapshot:
+    """The scheduler's counters and a recount at a quiescent point.
+
+    Admission applies a change just after its commit, so the two may differ for a
+    moment; they are read again until they agree or `settle` seconds pass, and the
+    last reading is kept (the checker judges it).
     """
-    problems: list[str] = []
+    deadline = time.monotonic() + settle
+    while True:
+        reported = reported_counters(client.scheduler_state())
+        snapshot = CounterSnapshot(label, reported, db.recount())
+        if not counter_drift(snapshot) or time.monotonic() > deadline:
+            return snapshot
+        time.sleep(0.2)
+
+
+def collect_history(
+    client: Client,
+    db: Database,
+    job_ids: Iterable[int] | None = None,
+    counters: Sequence[CounterSnapshot] = (),
+) -> History:
+    """The durable record of a run: the whole event log, the inventory, the cloud's counters."""
     state = client.cloud_state()
-    inventory = client.inventory()
-    left = [c for c in inventory if not c.HasField("terminate_time")]
-    overlaps = overlapping_launches(inventory)
-    if left:
-        names = ", ".join(f"{c.name}#{c.cluster_id}" for c in left[:10])
-        problems.append(f"{len(left)} clusters never terminated: {names}")
-        for job_id in sorted({c.job_id for c in left})[:3]:
-            problems.append(describe_job(client, db, job_id))
-    if state.unterminated_clusters:
-        problems.append(f"the cloud counts {state.unterminated_clusters} unterminated clusters")
-    if state.violations:
-        problems.append(f"the cloud counts {state.violations} duplicate launches (violations)")
-    if state.replaced_total:
-        problems.append(f"{state.replaced_total} launches replaced a live cluster of the task")
-    problems.extend(overlaps[:20])
-    figures = {
+    return History(
+        events=db.events(),
+        clusters=[cluster_record(c) for c in client.inventory()],
+        job_ids=None if job_ids is None else sorted(set(job_ids)),
+        cloud=CloudCounters(
+            stale_launches_rejected=int(state.stale_launches_rejected),
+            stale_terminates_rejected=int(state.stale_terminates_rejected),
+            unterminated_clusters=int(state.unterminated_clusters),
+        ),
+        counters=list(counters),
+    )
+
+
+def cloud_figures(client: Client) -> dict[str, int]:
+    """The sim cloud's counters a report prints."""
+    state = client.cloud_state()
+    return {
         "launches": int(state.launched_total),
         "preemptions": int(state.preempted_total),
-        "clusters_left": len(left),
-        "duplicate_launches": int(state.violations) + int(state.replaced_total) + len(overlaps),
+        "duplicate_launches": int(state.violations) + int(state.replaced_total),
+        "unterminated_clusters": int(state.unterminated_clusters),
         "stale_launches_rejected": int(state.stale_launches_rejected),
         "stale_terminates_rejected": int(state.stale_terminates_rejected),
     }
-    return problems, figures
 
 
-def event_problems(events: Sequence[EventRecord], job_ids: Iterable[int]) -> list[str]:
-    """Exactly one DONE per job; a task's terminal status never changes; none is redone."""
-    wanted = set(job_ids)
-    by_job: dict[int, list[EventRecord]] = collections.defaultdict(list)
-    for event in events:
-        if event.job_id in wanted:
-            by_job[event.job_id].append(event)
-    problems: list[str] = []
-    for job_id in sorted(wanted):
-        job_events = by_job.get(job_id, [])
-        done = [e for e in job_events if e.schedule_state == ScheduleState.DONE]
-        if len(done) != 1:
-            problems.append(f"job {job_id}: {len(done)} DONE events")
-        first_terminal: dict[int, EventRecord] = {}
-        for event in job_events:
-            seen = first_terminal.get(event.task_id)
-            if seen is None:
-                if event.status in TERMINAL:
-                    first_terminal[event.task_id] = event
-            elif event.status != seen.status:
-                problems.append(
-                    f"job {job_id} task {event.task_id}: {seen.status.name} (event "
-                    f"{seen.event_id}) then {event.status.name} (event {event.event_id}: "
-                    f"{event.message!r})"
-                )
-                break
-    return problems
+def lifecycle_lines(stack: Stack, needle: str, limit: int = 20) -> list[str]:
+    """Lines of the jobs' lifecycle logs that contain `needle`, as "job N: line"."""
+    found: list[str] = []
+    for path in sorted((stack.data_dir / "logs").glob("*/controller.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if needle in line and len(found) < limit:
+                found.append(f"job {path.parent.name}: {line}")
+    return found
+
+
+def explain(
+    client: Client, db: Database | None, violations: Sequence[Violation], jobs: int = 3
+) -> str:
+    """The violations, then the clusters, events and lifecycle log of the first few jobs
+    they name (those of the log's own contract last: they are everywhere when they are)."""
+    lines = [describe(violations)]
+    named = sorted(
+        {(v.kind == Kind.LOG_CONTRACT, v.job_id) for v in violations if v.job_id is not None}
+    )
+    chosen: list[int] = []
+    for _, job_id in named:
+        if job_id is not None and job_id not in chosen and len(chosen) < jobs:
+            chosen.append(job_id)
+    lines.extend(describe_job(client, db, job_id) for job_id in chosen)
+    return "\n".join(lines)
+
+
+class KnownFailures(AssertionError):
+    """A run that broke only what a test's xfail names as known (`judge`)."""
+
+
+def judge(
+    problems: Sequence[str],
+    violations: Sequence[Violation],
+    known: Iterable[Kind],
+    details: str = "",
+    also_known: Sequence[str] = (),
+) -> None:
+    """Fails a test by what a run broke.
+
+    Raises:
+        AssertionError: a problem of the run, or a violation of a kind not `known`.
+        KnownFailures: only violations of `known` kinds (or `also_known` findings),
+            for a test marked `xfail(strict=True, raises=KnownFailures)`: it fails
+            outright on anything new, and passes (strictly: flips) once all are fixed.
+    """
+    assert not problems, "\n".join([*problems, details])
+    known = set(known)
+    unknown = [v for v in violations if v.kind not in known]
+    assert not unknown, details or describe(violations)
+    if violations or also_known:
+        raise KnownFailures("\n".join([details or describe(violations), *also_known]))
+
+
+def history_violations(
+    client: Client,
+    db: Database,
+    job_ids: Iterable[int] | None = None,
+    kinds: Iterable[Kind] | None = None,
+    counters: Sequence[CounterSnapshot] = (),
+) -> list[Violation]:
+    """Collects the run's record and checks it (`history.check`)."""
+    history = collect_history(client, db, job_ids, counters)
+    return check(history, None if kinds is None else set(kinds))
 
 
 def job_problems(

@@ -8,14 +8,17 @@ and a seeded three-region sim cloud) and breaks it on purpose:
   while 300 jobs run and get preempted; every job ends in exactly one terminal
   status, no task attempt is launched twice, no cluster is left;
 - SIGSTOP a replica past its lease, let its jobs move, SIGCONT it: nothing it
-  says or does with its stale epochs is accepted;
+  says or does with its stale epochs is accepted, and the sim cloud never had to
+  refuse a stale launch or terminate (the replica's own fencing stopped them);
 - SIGKILL a replica in the middle of a cancel's teardown: the job's next holder
   finishes the cleanup, then the job is CANCELLED;
 - restart the scheduler five times during 2,000 submissions with idempotency
   keys: none lost, none duplicated, counters equal the database's recount;
-- stop PostgreSQL for 30 s mid-run: health NOT_SERVING within 5 s, no service
-  exits, work resumes within 10 s of its return and every job finishes.
+- stop PostgreSQL for 30 s mid-run: health NOT_SERVING within 5 s, a call
+  meanwhile is answered UNAVAILABLE, no service exits, work resumes within 10 s of
+  its return and every job finishes.
 
+Each run's durable record is then judged by the history checker (`history.py`).
 Figures (resume latency after a kill, preemptions, recoveries) are printed, not
 asserted: timings are for `bench/chaos.py` (SPEC §15).
 """
@@ -24,41 +27,46 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import contextlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
+from history import (
+    RESUMED_PREFIX,
+    CounterSnapshot,
+    Kind,
+    counter_drift,
+    describe,
+    expected_counters,
+)
 from reliability import (
     ADMIN_URL,
     IN_CI,
     NOT_SERVING,
-    RESUMED_PREFIX,
     SERVING,
-    Client,
     Database,
     EventLog,
+    KnownFailures,
     PostgresServer,
     cloud_config,
-    cloud_problems,
-    event_problems,
-    fresh_database,
+    cloud_figures,
+    history_violations,
     job_problems,
     job_spec,
+    judge,
+    reported_counters,
     stale_reports_refused,
-    start_stack,
+    system,
 )
 from soak import SoakConfig, run_soak
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_service_pb2 as pb
-from services.common.statuses import ALIVE_STATES, JobStatus, ScheduleState
-from services.stack import Stack
+from services.common.statuses import JobStatus, ScheduleState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 LEASE_TTL = 3.0
@@ -71,43 +79,10 @@ def admin_url(postgres_base: str) -> str:
     return ADMIN_URL
 
 
-@dataclass
-class System:
-    stack: Stack
-    client: Client
-    events: EventLog
-    db: Database
-
-
-@contextlib.contextmanager
-def system(
-    data_dir: Path,
-    admin_url: str,
-    cloud_yaml: str,
-    replicas: int = 3,
-    scheduler_extra: tuple[str, ...] = (),
-    lease_ttl: float = LEASE_TTL,
-) -> Iterator[System]:
-    """The whole system on a fresh database, with clients and a live event log."""
-    with fresh_database(admin_url) as url:
-        stack = start_stack(
-            data_dir,
-            url,
-            cloud_yaml,
-            replicas=replicas,
-            lease_ttl=lease_ttl,
-            heartbeat_interval=min(0.5, lease_ttl / 5),
-            scheduler_extra=scheduler_extra,
-        )
-        print(f"service logs in {data_dir / 'service-logs'}")
-        client = Client(stack)
-        events = EventLog(stack.scheduler_address, stack.client_security).start()
-        try:
-            yield System(stack, client, events, Database(url))
-        finally:
-            events.close()
-            client.close()
-            stack.stop()
+# Every kind but those about the log's own accuracy (assignments carrying their
+# epoch, the scheduler's events recording what it read before a report committed),
+# which `test_history.py` demands: these tests judge what the system did.
+KINDS = frozenset(Kind) - {Kind.LOG_CONTRACT, Kind.STALE_SCHEDULER_WRITE}
 
 
 def running_and_watched(events: EventLog, job_id: int) -> bool:
@@ -151,6 +126,12 @@ def last_event_id(db: Database) -> int:
 
 
 @pytest.mark.timeout(480)
+@pytest.mark.xfail(
+    strict=True,
+    raises=KnownFailures,
+    reason="a task whose run ended is run again when its cluster is preempted before the "
+    "replica that replaced its killed holder saw the end",
+)
 def test_chaos_soak_kills_replicas_and_loses_nothing(tmp_path: Path, admin_url: str) -> None:
     config = SoakConfig()
     report = run_soak(
@@ -162,7 +143,7 @@ def test_chaos_soak_kills_replicas_and_loses_nothing(tmp_path: Path, admin_url: 
     assert report.figures["jobs"] == config.jobs
     # The chaos did hit: replicas died holding jobs, spot clusters were preempted.
     assert report.figures["resume_samples"] > 0 and report.figures["preemptions"] > 0
-    assert not report.problems, "\n".join(report.problems)
+    judge(report.problems, report.violations, {Kind.RERUN_AFTER_SUCCESS}, report.details)
 
 
 # --- (b) a paused replica -------------------------------------------------------------------
@@ -237,30 +218,23 @@ def test_paused_replica_acts_on_nothing_with_its_stale_epochs(
         s.client.cancel_all()
         assert not s.events.wait_done(ids, 90, s.client)
 
-        # Nothing written with a stale epoch after the pause: not one event.
-        stale_writes = [
-            e
-            for e in s.db.events(paused_mark)
-            if e.job_id in held and 0 < e.epoch <= held[e.job_id]
-        ]
-        assert not stale_writes, stale_writes
-        # No launch by a stale epoch after the pause.
-        stale_launches = [
-            c
-            for c in s.client.inventory()
-            if c.job_id in held
-            and c.epoch <= held[c.job_id]
-            and c.launch_time.ToNanoseconds() / 1e9 > paused_at
-        ]
-        assert not stale_launches, stale_launches
+        # Nothing written or launched with a stale epoch: the checker follows each job's
+        # assignment epoch through the whole log, and judges every event, those the
+        # scheduler writes with epoch 0 too (a status change no replica's current epoch
+        # vouches for is a stale write), and every launch in the inventory by its time.
+        violations = history_violations(s.client, s.db, ids, KINDS)
+        stale = [v for v in violations if v.kind in (Kind.STALE_REPORT, Kind.STALE_CALL)]
+        assert not stale, describe(stale)
+        # The replica's own fencing stopped its stale calls: the cloud never had to.
+        figures = cloud_figures(s.client)
+        assert figures["stale_launches_rejected"] == 0, figures
+        assert figures["stale_terminates_rejected"] == 0, figures
         # No teardown either: a cluster the stale replica tore down would be one more recovery.
         jobs = {j.job_id: j for j in s.client.list_jobs()}
         recoveries = {j: jobs[j].recovery_count for j in held}
         assert recoveries == {j: int(j in preempted) for j in held}
-        problems, figures = cloud_problems(s.client, s.db)
-        assert not problems, problems
+        assert not violations, describe(violations)
         assert not job_problems(list(jobs.values()), cancelled=ids)
-        assert not event_problems(s.db.events(), ids)
         assert not s.stack.exited()
         print(
             json.dumps(
@@ -317,11 +291,10 @@ def test_cancelling_job_of_a_killed_replica_finishes_cleanup_then_is_cancelled(
         assert clusters and all(c.HasField("terminate_time") for c in clusters), clusters
         s.client.cancel_all()
         assert not s.events.wait_done(ids, 90, s.client)
-        problems, _ = cloud_problems(s.client, s.db)
-        assert not problems, problems
+        violations = history_violations(s.client, s.db, ids, KINDS)
+        assert not violations, describe(violations)
         jobs = [j for j in s.client.list_jobs() if j.job_id in set(ids)]
         assert not job_problems(jobs, cancelled=ids), job_problems(jobs, cancelled=ids)
-        assert not event_problems(s.db.events(), ids)
 
 
 # --- (c) scheduler restarts during submissions ----------------------------------------------
@@ -387,43 +360,27 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
         assert not moved, f"jobs moved by scheduler restarts (job: epoch): {moved}"
 
         # The counters equal a recount from the database, once nothing is in flight.
-        def counters() -> tuple[dict[str, int], dict[str, int]]:
-            state = s.client.scheduler_state()
-            recount = s.db.recount()
-            states = collections.Counter[St]()
-            for (_, state_), n in recount.items():
-                states[state_] += n
-            expected = {
-                "launching": states[St.LAUNCHING],
-                "alive": sum(states[x] for x in ALIVE_STATES),
-                "waiting": states[St.WAITING],
-                "alive_waiting": states[St.ALIVE_WAITING],
-            }
-            actual = {
-                "launching": state.launching,
-                "alive": state.alive,
-                "waiting": state.waiting,
-                "alive_waiting": state.alive_waiting,
-            }
-            for replica in state.replicas:
-                cid = replica.controller_id
-                expected[f"{cid}.launching"] = recount[(cid, St.LAUNCHING)]
-                expected[f"{cid}.alive"] = sum(recount[(cid, x)] for x in ALIVE_STATES)
-                actual[f"{cid}.launching"] = replica.launching
-                actual[f"{cid}.alive"] = replica.alive
-            return expected, actual
-
-        seen: list[tuple[dict[str, int], dict[str, int]]] = []
+        seen: list[CounterSnapshot] = []
 
         def settled() -> bool:
-            seen.append(counters())
-            expected, actual = seen[-1]
-            return expected == actual and expected["launching"] == 0 and expected["alive"] == cap
+            snapshot = CounterSnapshot(
+                "after the restarts",
+                reported_counters(s.client.scheduler_state()),
+                s.db.recount(),
+            )
+            seen.append(snapshot)
+            expected = expected_counters(snapshot.recount, ())
+            return (
+                not counter_drift(snapshot)
+                and expected["launching"] == 0
+                and expected["alive"] == cap
+            )
 
         try:
             wait_until("the counters equal the recount", settled, 60)
         except AssertionError as error:
-            raise AssertionError(f"{error}: recount vs counters {seen[-1]}") from None
+            drift = describe(counter_drift(seen[-1])) or "no drift"
+            raise AssertionError(f"{error}: {drift}; recount {dict(seen[-1].recount)}") from None
         assert not s.stack.exited()
         print(
             json.dumps(
@@ -431,14 +388,14 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
                     "submissions": total,
                     "restarts_at": restarted_at,
                     "submit_retries": dict(s.client.retried),
-                    "counters": seen[-1][1],
+                    "counters": dict(seen[-1].reported),
                 }
             )
         )
         s.client.cancel_all()
         assert not s.events.wait_done(answers.values(), 180, s.client)
-        problems, _ = cloud_problems(s.client, s.db)
-        assert not problems, problems
+        violations = history_violations(s.client, s.db, answers.values(), KINDS)
+        assert not violations, describe(violations)
 
 
 # --- (d) the database goes away for 30 s ----------------------------------------------------
@@ -507,11 +464,12 @@ def test_database_outage_is_ridden_out(tmp_path: Path, admin_url: str) -> None:
         }
         print(json.dumps(figures))
         assert not_serving_after is not None and not_serving_after <= 5.0, figures
+        # A client call during the cut is told to come back later, not failed for good.
+        assert submit_code == grpc.StatusCode.UNAVAILABLE, figures
         assert not exited and not s.stack.exited(), figures
         assert resumed, "no event was written within 10 s of the database's return"
         assert not not_done, f"jobs not done after the outage: {sorted(not_done)}"
         jobs = [j for j in s.client.list_jobs() if j.job_id in set(ids)]
         assert not job_problems(jobs), job_problems(jobs)
-        assert not event_problems(s.db.events(), ids)
-        problems, _ = cloud_problems(s.client, s.db)
-        assert not problems, problems
+        violations = history_violations(s.client, s.db, ids, KINDS)
+        assert not violations, describe(violations)
