@@ -39,10 +39,10 @@ The violation kinds (`Kind`) and what each one means:
   (by the replicas' reports before it in the log: no task failed or was cancelled,
   and not every task the log names had succeeded) and the job ended other than
   CANCELLED. Decisions: FAILED_CONTROLLER is allowed only when an event of the
-  job says the cleanup failed (SPEC §4: resources may have leaked); a job whose
-  SUCCEEDED report is logged after the cancel is a violation even when the run had
-  already ended on the cloud (the report was in flight): the log is the order of
-  record, and the cancel was acknowledged to its caller as taking effect.
+  job says the cleanup failed (SPEC §4: resources may have leaked). A job whose
+  last task's run had already ended with exit 0 on the cloud (the inventory) when
+  the cancel was accepted may end SUCCEEDED: a cancel stops work, it cannot undo
+  work done, and the SUCCEEDED report was on its way.
 - `rerun_after_success`: a task ran again after it SUCCEEDED: a later STARTING,
   RUNNING or RECOVERING event of the task, or a cluster of the task launched after
   its success (the earlier of its SUCCEEDED event and a cluster of the task whose
@@ -512,8 +512,13 @@ def _terminal(job: JobLog, t: _Clock) -> list[Violation]:
     return out
 
 
-def _cancel(job: JobLog, t: _Clock) -> list[Violation]:
-    """A cancel accepted while the job was not terminal ends it CANCELLED."""
+def _cancel(job: JobLog, clusters: Sequence[ClusterRecord], t: _Clock) -> list[Violation]:
+    """A cancel accepted while the job was not terminal ends it CANCELLED.
+
+    Unless the work was already done: a job whose last task's run had ended with
+    exit 0 (by the cloud's inventory) before the cancel was accepted may end
+    SUCCEEDED, its report having been on its way.
+    """
     accepted = job.cancel
     if job.end is None or accepted is None or accepted.event_id > job.end.event_id:
         return []  # `_terminal` reports a job that never ended
@@ -522,6 +527,11 @@ def _cancel(job: JobLog, t: _Clock) -> list[Violation]:
     final = job.end.status
     if final == S.CANCELLED or (final == S.FAILED_CONTROLLER and job.cleanup_failed):
         return []
+    if final == S.SUCCEEDED:
+        last = job.end.task_id
+        done = [c.succeeded_at for c in clusters if c.task_id == last and c.succeeded_at]
+        if done and min(done) <= accepted.time:
+            return []
     return [
         Violation(
             Kind.CANCEL_NOT_HONOURED,
@@ -738,7 +748,7 @@ def check(history: History, kinds: Collection[Kind] | None = None) -> list[Viola
         job = JobLog(job_id, by_job.get(job_id, []), t)
         out.extend(job.violations)
         out.extend(_terminal(job, t))
-        out.extend(_cancel(job, t))
+        out.extend(_cancel(job, clusters, t))
         out.extend(_reruns(job, clusters, t))
         out.extend(_stale_calls(job, clusters, t))
         out.extend(_left(job, job_id, clusters, t))

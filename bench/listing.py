@@ -9,7 +9,7 @@ queued: bench/system.py), fills it with N jobs through SubmitJobs, and measures:
   the last watcher receiving its event.
 Targets (SPEC §15): a page <= 200 ms; `mj queue --all` over 20,000 jobs <= 2 s.
 
-    .venv/bin/python bench/queue.py [--sizes 10000,100000] [--mj-jobs 20000] [--watchers 1000]
+    .venv/bin/python bench/listing.py [--sizes 10000,100000] [--mj-jobs 20000] [--watchers 1000]
 """
 
 from __future__ import annotations
