@@ -114,3 +114,34 @@ async def test_closing_one_watcher_leaves_the_others_of_a_cluster_listening(
         assert hub.watched == 0 and hub.observe_calls == 0
     finally:
         await hub.close()
+
+
+@pytest.mark.parametrize("answered", [True, False], ids=["acked", "never-answered"])
+async def test_drain_hands_every_job_back_in_one_message_and_is_bounded(
+    replica: Replica, monkeypatch: pytest.MonkeyPatch, answered: bool
+) -> None:
+    for job_id in range(1, 51):
+        await replica.on_message(assignment(job_id, epoch=job_id % 3 + 1))
+    sent: list[dict[str, object]] = []
+    never: asyncio.Future[pb.ReportAck] = asyncio.get_running_loop().create_future()
+
+    async def call(**message: object) -> pb.ReportAck:
+        if "job_handback" not in message:  # the runners' own requests: never answered
+            return await asyncio.get_running_loop().create_future()
+        sent.append(message)
+        return pb.ReportAck(accepted=True) if answered else await never
+
+    monkeypatch.setattr(replica.link, "call", call)
+    monkeypatch.setattr("services.controller.replica.HANDBACK_TIMEOUT", 0.2)
+    runners = list(replica.runners.values())
+
+    await asyncio.wait_for(replica.drain(), 5)
+
+    [message] = sent
+    handback = message["job_handback"]
+    assert isinstance(handback, pb.JobHandback)
+    assert sorted((j.job_id, j.epoch) for j in handback.jobs) == [
+        (job_id, job_id % 3 + 1) for job_id in range(1, 51)
+    ]
+    assert all(r.task is not None and r.task.done() for r in runners)
+    assert replica.draining
