@@ -292,7 +292,10 @@ def test_a_cancelled_jobs_attempt_logs_are_kept_and_its_secrets_never_shown(
 
     logs = mj(stack, "logs", str(job_id), "--attempt", "1")
     assert logs.returncode == 0, logs.stderr
-    assert logs.stdout.startswith("warming up\n") and "halfway" not in logs.stdout
+    # Stopped gracefully: SIGTERM, the default grace (30 simulated seconds) in which
+    # it went on writing, then SIGKILL; all of it kept.
+    assert logs.stdout.startswith("warming up\nreceived SIGTERM: stopping, SIGKILL in 30s\n")
+    assert logs.stdout.endswith("killed (SIGKILL)\n"), logs.stdout
     status = mj(stack, "status", str(job_id))
     assert status.returncode == 0, status.stderr
     assert "ATTEMPT" in status.stdout and f"mj-{job_id}-0" in status.stdout
