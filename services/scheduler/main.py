@@ -33,7 +33,7 @@ from services.scheduler.api import JobApi
 from services.scheduler.cancels import Cancels
 from services.scheduler.counters import Counters
 from services.scheduler.db import Database, default_url
-from services.scheduler.events import EventBus
+from services.scheduler.events import QUEUE_LIMIT, EventBus
 from services.scheduler.health import DbHealth, is_unreachable, unavailable
 from services.scheduler.outbox import Outbox
 from services.scheduler.replicas import Replicas
@@ -92,6 +92,14 @@ SETTINGS = (
         "seconds between checks of the admission counters against a recount",
         float,
     ),
+    Setting(
+        "watch_queue_limit",
+        "MJ_WATCH_QUEUE_LIMIT",
+        QUEUE_LIMIT,
+        "events a WatchJobs stream may fall behind before it is cut off (RESOURCE_EXHAUSTED, "
+        "with the event id to resume after)",
+        int,
+    ),
     *settings.SERVER_SECURITY,
     METRICS_PORT,
     settings.LOG_LEVEL,
@@ -114,9 +122,10 @@ class SchedulerApp:
         heartbeat_interval: float = 2.0,
         db_probe_interval: float = 2.0,
         reconcile_interval: float = 30.0,
+        watch_queue_limit: int = QUEUE_LIMIT,
     ) -> None:
         self.db = Database.open(database_url)
-        self.bus = EventBus()
+        self.bus = EventBus(watch_queue_limit)
         self.store = Store(self.db, self.bus)
         self.counters = Counters(self.store)
         self.outbox = Outbox()
@@ -224,6 +233,7 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
         heartbeat_interval=a.heartbeat_interval,
         db_probe_interval=a.db_probe_interval,
         reconcile_interval=a.reconcile_interval,
+        watch_queue_limit=a.watch_queue_limit,
     )
     port = await app.start()
     serve_metrics(a.metrics_port, a.host)
