@@ -3,8 +3,10 @@
 Handlers raise `ApiError` subclasses; `rpc_errors` turns them into a status with
 a clear message and a `google.rpc.ErrorInfo` detail whose `reason` is a domain
 reason (`SPEC_INVALID`, `JOB_NOT_FOUND`, `TOKEN_UNKNOWN`...) given by the raiser,
-or the class's default. Anything else escaping a handler is a bug: it is logged
-with its traceback and answered INTERNAL.
+or the class's default. A reason is never a bare status name (`OUT_OF_RANGE`):
+the code already says that much, the reason says which rule was broken. Anything
+else escaping a handler is a bug: it is logged with its traceback and answered
+INTERNAL.
 
 Every message and every ErrorInfo value is bounded (`MAX_MESSAGE_BYTES`,
 `MAX_VALUE_BYTES`, `MAX_METADATA_ENTRIES`) so that no error, whatever input it
@@ -93,7 +95,7 @@ class FailedPrecondition(ApiError):
 
 class OutOfRange(ApiError):
     code = grpc.StatusCode.OUT_OF_RANGE
-    reason = "OUT_OF_RANGE"
+    reason = "VALUE_OUT_OF_RANGE"
 
 
 class PermissionDenied(ApiError):
@@ -108,7 +110,7 @@ class Unauthenticated(ApiError):
 
 class AlreadyExists(ApiError):
     code = grpc.StatusCode.ALREADY_EXISTS
-    reason = "ALREADY_EXISTS"
+    reason = "RESOURCE_EXISTS"
 
 
 class ResourceExhausted(ApiError):

@@ -8,9 +8,14 @@ jobs costs one commit. Each report is judged on its own inside the batch:
 - a report whose epoch or controller is not the job's current assignment is
   refused as STALE (the replica must stop acting for the job, and is told so);
 - a report that breaks a rule (a transition `TASK_TRANSITIONS` forbids, a task
-  that does not exist) is refused as INVALID (the replica ends the job
+  that does not exist, a field out of range: an unknown status, a negative count,
+  a time outside 1970-9999) is refused as INVALID (the replica ends the job
   FAILED_CONTROLLER rather than pretend it was moved away);
-- anything else is applied. Nothing is written for a refused report.
+- anything else is applied. Nothing is written for a refused report: every field
+  is checked (`checked`) before the first write.
+
+Texts a report carries (messages, reasons, names) are kept to `MAX_REPORT_TEXT`
+bytes each, cut rather than refused: a long message is no reason to fail a job.
 
 Every status change costs O(1) in the length of the chain: the job row keeps the
 index of its current task, so a transition reads and writes the job, the task,
@@ -23,10 +28,13 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.bounds import check_timestamp
+from services.common.errors import bound
 from services.common.statuses import (
     FAILED_GROUP,
     TERMINAL,
@@ -42,6 +50,7 @@ from services.scheduler.store import (
     StaleReport,
     Store,
     Txn,
+    chunked,
     move_held,
     set_task_status,
     set_task_statuses,
@@ -50,6 +59,8 @@ from services.scheduler.store import (
 S = JobStatus
 St = ScheduleState
 NO_FINAL_STATUS = "the lifecycle ended without a final status"
+# Bytes kept of each text of a report (a message, a reason, a condition, a name).
+MAX_REPORT_TEXT = 16 * 1024
 
 
 class Refusal(enum.IntEnum):
@@ -106,6 +117,7 @@ class Reports:
     ) -> tuple[Refusal, str]:
         kind = request.WhichOneof("message")
         try:
+            request = checked(request)
             if kind == "transition":
                 await transition(txn, cid, request.transition)
             elif kind == "launch_slot_request":
@@ -148,6 +160,43 @@ class Reports:
         async with self.store.transaction() as txn:
             await release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
         return txn.moves
+
+
+def checked(request: pb.ConnectControllerRequest) -> pb.ConnectControllerRequest:
+    """The report with its texts cut to `MAX_REPORT_TEXT` bytes, once every field is in range.
+
+    Raises:
+        ValueError: a field out of range, named (the report is refused as INVALID).
+    """
+    kind = request.WhichOneof("message")
+    if kind == "transition":
+        report = request.transition
+        try:
+            S(report.status)
+        except ValueError:
+            raise ValueError(f"transition.status: {report.status} is not a status") from None
+        for name in ("task_id", "attempt", "recovery_count", "restart_count"):
+            if getattr(report, name) < 0:
+                raise ValueError(f"transition.{name}: must not be negative")
+        for name, stamp in (
+            ("time", report.time),
+            ("start_time", report.start_time),
+            ("end_time", report.end_time),
+        ):
+            check_timestamp(stamp, f"transition.{name}")
+    inner = getattr(request, kind) if kind else None
+    texts = [
+        (field.name, value)
+        for field, value in (inner.ListFields() if inner is not None else ())
+        if isinstance(value, str) and len(value) > MAX_REPORT_TEXT // 4
+    ]
+    if not any(len(value.encode()) > MAX_REPORT_TEXT for _, value in texts):
+        return request
+    cut = pb.ConnectControllerRequest()
+    cut.CopyFrom(request)
+    for name, value in texts:
+        setattr(getattr(cut, kind or ""), name, bound(value, MAX_REPORT_TEXT))
+    return cut
 
 
 async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
@@ -330,34 +379,35 @@ async def release(
     to RECOVERING, since its cluster's state is unknown (SPEC §9). Conditional
     UPDATEs only: a job already moved on is left alone.
     """
-    where = [JobRow.controller_id == cid]
+    # Ids go in chunks: a database takes a bounded number of parameters per statement.
+    scopes: list[list[Any]] = [[]]
     if job_ids is not None:
-        where.append(JobRow.id.in_(list(job_ids)))
+        scopes = [[JobRow.id.in_(chunk)] for chunk in chunked(list(job_ids))]
     if pairs is not None:
-        if not pairs:
-            return
-        where.append(tuple_(JobRow.id, JobRow.epoch).in_(list(pairs)))
+        scopes = [[tuple_(JobRow.id, JobRow.epoch).in_(chunk)] for chunk in chunked(list(pairs))]
     released: list[tuple[int, int, ScheduleState, ScheduleState, JobStatus, int]] = []
-    for old, new in ((St.LAUNCHING, St.ALIVE), (St.ALIVE, St.ALIVE), (St.ALIVE_WAITING,) * 2):
-        rows = (
-            await txn.session.execute(
-                update(JobRow)
-                .where(*where, JobRow.schedule_state == old)
-                .values(controller_id=None, schedule_state=schedule_transition(old, new))
-                .returning(JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task),
-                execution_options={"synchronize_session": False},
-            )
-        ).all()
-        released += [(int(i), int(e), old, new, S(s), int(t)) for i, e, s, t in rows]
+    for scope in scopes:
+        where = [JobRow.controller_id == cid, *scope]
+        for old, new in ((St.LAUNCHING, St.ALIVE), (St.ALIVE, St.ALIVE), (St.ALIVE_WAITING,) * 2):
+            rows = (
+                await txn.session.execute(
+                    update(JobRow)
+                    .where(*where, JobRow.schedule_state == old)
+                    .values(controller_id=None, schedule_state=schedule_transition(old, new))
+                    .returning(JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task),
+                    execution_options={"synchronize_session": False},
+                )
+            ).all()
+            released += [(int(i), int(e), old, new, S(s), int(t)) for i, e, s, t in rows]
     if not released:
         return
     ids = [r[0] for r in released]
     moved = await set_task_statuses(txn, ids, [S.STARTING], S.RECOVERING)
     recovering = {job_id for job_id, _ in moved}
-    if recovering:
+    for chunk in chunked(sorted(recovering)):
         await txn.session.execute(
             update(JobRow)
-            .where(JobRow.id.in_(list(recovering)), JobRow.status == S.STARTING)
+            .where(JobRow.id.in_(chunk), JobRow.status == S.STARTING)
             .values(status=S.RECOVERING),
             execution_options={"synchronize_session": False},
         )
