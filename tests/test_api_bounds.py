@@ -103,6 +103,27 @@ async def test_job_ids_must_be_positive_and_huge_ones_are_not_found(
     assert error.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_nul_character_in_any_text_is_refused_naming_the_field(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    """PostgreSQL stores no NUL character: the request is refused, not the write failed."""
+    [job_id] = await submit(client, 1)
+    for call, field in (
+        (client.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC, idempotency_key="k\x00")), None),
+        (client.SubmitJob(pb.SubmitJobRequest(spec_yaml=SPEC, envs={"A": "\x00"})), None),
+        (client.ListJobs(pb.ListJobsRequest(name="a\x00b")), "name"),
+        (client.CancelJobs(pb.CancelJobsRequest(name="\x00")), "name"),
+        (client.CancelJobs(pb.CancelJobsRequest(all=True, user="a\x00")), "user"),
+    ):
+        error = await refusal(call)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        info = error_info(error.trailing_metadata())
+        assert info is not None and info.reason == "NUL_CHARACTER"
+        assert field is None or info.metadata["field"] == field
+    listed = await client.ListJobs(pb.ListJobsRequest())
+    assert [job.job_id for job in listed.jobs] == [job_id]
+
+
 async def test_a_status_filter_of_any_length_lists_jobs(
     client: job_service_pb2_grpc.JobServiceStub,
 ) -> None:

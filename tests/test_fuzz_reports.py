@@ -24,7 +24,6 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -199,10 +198,8 @@ class Fuzzer:
 
 
 @pytest.fixture
-async def app(tmp_path: Path) -> AsyncIterator[SchedulerApp]:
-    scheduler = SchedulerApp(
-        f"sqlite:///{tmp_path / 'scheduler.db'}", Limits(), security=ServerSecurity.without_auth()
-    )
+async def app(database_url: str) -> AsyncIterator[SchedulerApp]:
+    scheduler = SchedulerApp(database_url, Limits(), security=ServerSecurity.without_auth())
     await scheduler.start()
     yield scheduler
     await scheduler.close()
@@ -265,6 +262,33 @@ async def test_a_refused_report_with_a_time_out_of_range_writes_nothing(app: Sch
         ack = await replica.report(pb.ConnectControllerRequest(transition=starting))
         assert ack.accepted
         assert (await fuzzer.job(held.job_id)).tasks[0].cluster_name == "mj-x"
+        replica.close()
+
+
+async def test_texts_are_stored_as_they_can_be_and_names_too_long_are_refused(
+    app: SchedulerApp,
+) -> None:
+    """PostgreSQL stores no NUL character and keeps a region to 64 characters: a report
+    carrying either is made storable (never a failed batch that closes the stream)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
+        replica = Replica(channel)
+        await replica.start(hello())
+        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
+        held = await fuzzer.hold_a_job()
+        starting = pb.TaskTransition(
+            job_id=held.job_id, epoch=held.epoch, task_id=0, status=int(JobStatus.STARTING)
+        )
+        starting.cluster_name = "c" * 129
+        ack = await replica.report(pb.ConnectControllerRequest(transition=starting))
+        assert ack.refusal == pb.REPORT_REFUSAL_INVALID and "cluster_name" in ack.reason
+        starting.cluster_name = "mj-1-0"
+        starting.region = "r" * 100
+        starting.message = "exit\x00code"
+        starting.failure_reason = "x" * 100_000
+        ack = await replica.report(pb.ConnectControllerRequest(transition=starting))
+        assert ack.accepted
+        task = (await fuzzer.job(held.job_id)).tasks[0]
+        assert task.region == "r" * 64 and len(task.failure_reason.encode()) <= 16 * 1024
         replica.close()
 
 

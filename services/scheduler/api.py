@@ -4,7 +4,8 @@ Validation happens here, before anything is stored: a rejected request changes
 nothing. Domain errors become status codes through `rpc_errors`.
 
 Every input is bounded (SPEC §19): a request names at most `MAX_JOB_IDS` job ids,
-each positive; a status filter is a set of known statuses. A watch resumed after
+each positive; a status filter is a set of known statuses; no text holds a NUL
+character. A watch resumed after
 an event id past the newest is OUT_OF_RANGE (reason EVENTS_AHEAD: the database was
 replaced, or the id was never issued) rather than a wait for events that may never
 come; a watcher that falls `--watch-queue-limit` events behind is cut off with
@@ -20,6 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
@@ -90,6 +92,32 @@ def _job_ids(values: Sequence[int], field: str = "job_ids") -> list[int]:
                 f"{field}[{index}]: job ids are positive, got {job_id}", field=f"{field}[{index}]"
             )
     return sorted(set(values))
+
+
+def _no_nul(message: Message, prefix: str = "") -> None:
+    """Refuses a NUL character in any text of the request: no field means one, and
+    PostgreSQL cannot store one (it would fail the write, not the request).
+
+    Raises:
+        InvalidArgument: naming the field.
+    """
+    for field, value in message.ListFields():
+        path = prefix + field.name
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            texts = [(f"{path}[{quote(k)}]", f"{k}{v}") for k, v in value.items()]
+        elif field.type == field.TYPE_STRING:
+            texts = [(path, v) for v in (value if field.is_repeated else [value])]
+        elif field.type == field.TYPE_MESSAGE:
+            for index, item in enumerate(value if field.is_repeated else [value]):
+                _no_nul(item, f"{path}[{index}]." if field.is_repeated else f"{path}.")
+            continue
+        else:
+            continue
+        for where, text in texts:
+            if "\x00" in text:
+                raise InvalidArgument(
+                    f"{where}: must not contain NUL characters", field=where, reason="NUL_CHARACTER"
+                )
 
 
 def _statuses(values: Sequence[int]) -> list[JobStatus]:
@@ -203,6 +231,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJob(
         self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SubmitJobResponse:
+        _no_nul(request)
         job_id, _ = await self.intake.submit(self._new_job(request))
         return pb.SubmitJobResponse(job_id=job_id)
 
@@ -214,6 +243,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("jobs: give at least one job")
         if len(request.jobs) > MAX_BATCH:
             raise InvalidArgument(f"jobs: at most {MAX_BATCH} per call, got {len(request.jobs)}")
+        _no_nul(request)
         jobs = [self._new_job(job, f"jobs[{i}].") for i, job in enumerate(request.jobs)]
         answers = await self.intake.submit_many(jobs)
         return pb.SubmitJobsResponse(job_ids=[job_id for job_id, _ in answers])
@@ -249,6 +279,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     ) -> pb.ListJobsResponse:
         if request.page_size < 0:
             raise InvalidArgument("page_size: must not be negative")
+        _no_nul(request)
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         statuses = _statuses(request.statuses)
         jobs = await self.store.list_jobs(
@@ -268,6 +299,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         ways = sum([bool(request.job_ids), bool(request.name), request.all])
         if ways != 1:
             raise InvalidArgument("give exactly one of job_ids, name or all")
+        _no_nul(request)
         job_ids = _job_ids(request.job_ids)
         principal = current_principal()
         user = require_user(principal, request.user)

@@ -14,8 +14,9 @@ jobs costs one commit. Each report is judged on its own inside the batch:
 - anything else is applied. Nothing is written for a refused report: every field
   is checked (`checked`) before the first write.
 
-Texts a report carries (messages, reasons, names) are kept to `MAX_REPORT_TEXT`
-bytes each, cut rather than refused: a long message is no reason to fail a job.
+Texts a report carries (messages, reasons, a region) are made storable rather than
+refused (cut to their bounds, a NUL character replaced): a long message is no
+reason to fail a job, nor to fail the batch it came in.
 
 Every status change costs O(1) in the length of the chain: the job row keeps the
 index of its current task, so a transition reads and writes the job, the task,
@@ -33,7 +34,7 @@ from typing import Any
 from sqlalchemy import select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.common.bounds import check_timestamp
+from services.common.bounds import check_timestamp, quote
 from services.common.errors import bound
 from services.common.statuses import (
     FAILED_GROUP,
@@ -59,8 +60,11 @@ from services.scheduler.store import (
 S = JobStatus
 St = ScheduleState
 NO_FINAL_STATUS = "the lifecycle ended without a final status"
-# Bytes kept of each text of a report (a message, a reason, a condition, a name).
+# Bytes kept of each text of a report (a message, a reason, a condition).
 MAX_REPORT_TEXT = 16 * 1024
+# The columns of a task's cluster name and region (characters).
+MAX_CLUSTER_NAME = 128
+MAX_REGION = 64
 
 
 class Refusal(enum.IntEnum):
@@ -163,7 +167,12 @@ class Reports:
 
 
 def checked(request: pb.ConnectControllerRequest) -> pb.ConnectControllerRequest:
-    """The report with its texts cut to `MAX_REPORT_TEXT` bytes, once every field is in range.
+    """The report as it may be stored, once every field is in range.
+
+    Texts are made storable rather than refused: a NUL character (no database text
+    holds one) becomes U+FFFD, a region is cut to its column, any other text to
+    `MAX_REPORT_TEXT` bytes. A cluster name is a name, not a text: a longer one than
+    its column is refused.
 
     Raises:
         ValueError: a field out of range, named (the report is refused as INVALID).
@@ -184,19 +193,32 @@ def checked(request: pb.ConnectControllerRequest) -> pb.ConnectControllerRequest
             ("end_time", report.end_time),
         ):
             check_timestamp(stamp, f"transition.{name}")
+        if len(report.cluster_name) > MAX_CLUSTER_NAME:
+            raise ValueError(
+                f"transition.cluster_name: at most {MAX_CLUSTER_NAME} characters, "
+                f"got {quote(report.cluster_name)}"
+            )
     inner = getattr(request, kind) if kind else None
-    texts = [
-        (field.name, value)
-        for field, value in (inner.ListFields() if inner is not None else ())
-        if isinstance(value, str) and len(value) > MAX_REPORT_TEXT // 4
-    ]
-    if not any(len(value.encode()) > MAX_REPORT_TEXT for _, value in texts):
+    changes: dict[str, str] = {}
+    for field, value in inner.ListFields() if inner is not None else ():
+        if isinstance(value, str):
+            stored = _storable(field.name, value)
+            if stored != value:
+                changes[field.name] = stored
+    if not changes:
         return request
     cut = pb.ConnectControllerRequest()
     cut.CopyFrom(request)
-    for name, value in texts:
-        setattr(getattr(cut, kind or ""), name, bound(value, MAX_REPORT_TEXT))
+    for name, value in changes.items():
+        setattr(getattr(cut, kind or ""), name, value)
     return cut
+
+
+def _storable(name: str, text: str) -> str:
+    text = text.replace("\x00", "\ufffd")
+    if name == "region":
+        return text[:MAX_REGION]
+    return bound(text, MAX_REPORT_TEXT)
 
 
 async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
