@@ -33,6 +33,7 @@ import grpc
 from google.protobuf import descriptor, message, message_factory
 from google.rpc import error_details_pb2, status_pb2
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 from rpcs import JOB_SPEC, REQUESTS, method_descriptor
 
@@ -511,6 +512,7 @@ def explore(
     examples: int,
     budget: float,
     shrink: bool = True,
+    seed: int | None = None,
 ) -> int:
     """Runs hypothesis over `strategy` in this (worker) thread; each example is checked by
     the coroutine `check` on `loop`, where the servers run, and fails if it lists problems.
@@ -518,6 +520,8 @@ def explore(
     Examples are drawn until `examples` ran or `budget` seconds passed since the first
     (those left are skipped); once one failed, the budget no longer applies, so hypothesis
     can shrink it. Under the `ci` profile the examples are the same on every run.
+
+    `seed` fixes hypothesis's random choices (the `ci` profile derandomizes anyway).
 
     Returns:
         How many examples ran.
@@ -545,5 +549,5 @@ def explore(
         failed = failed or bool(found)
         assert not found, f"{example!r}: {found}"
 
-    one()
+    (one if seed is None else hypothesis_seed(seed)(one))()
     return ran
