@@ -29,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+import grpc  # noqa: E402
 from fuzz_system import Fuzzer, fuzzing_system  # noqa: E402
 from fuzzing import Attempt, attempts, explore  # noqa: E402
 from identities import make_identities  # noqa: E402
@@ -50,7 +51,14 @@ class Tally:
     found: int = 0
 
     async def check(self, attempt: Attempt) -> list[str]:
-        listed = await self.fuzzer.check(attempt)
+        try:
+            listed = await self.fuzzer.check(attempt)
+        except grpc.aio.AioRpcError as error:
+            # The state read around the call failed: the server is in trouble.
+            self.codes["CHECK_FAILED"] += 1
+            self.problems.append(f"{attempt!r:.400}: reading state failed: {error.details()}")
+            self.found += 1
+            return []
         outcome = self.fuzzer.outcomes[attempt.method][-1]
         self.codes[outcome.code.name] += 1
         if outcome.reason:
