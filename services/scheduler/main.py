@@ -218,6 +218,8 @@ class SchedulerApp:
 
 
 async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
+    # First: a taken metrics port stops the service before it opened anything.
+    serve_metrics(a.metrics_port, a.host)
     app = SchedulerApp(
         a.database_url or default_url(a.data_dir),
         Limits(
@@ -236,7 +238,6 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
         watch_queue_limit=a.watch_queue_limit,
     )
     port = await app.start()
-    serve_metrics(a.metrics_port, a.host)
     log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
     try:
         await run_until_signal(app.server, a.shutdown_grace)
