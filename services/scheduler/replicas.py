@@ -408,6 +408,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         state.refused_hellos = self.refused_hellos
         state.invalid_reports = self.reports.refused_invalid
         state.database_reachable = self.health.ok
+        state.watch_streams = self.store.bus.subscriptions
         counters = self.admission.counters
         for cid, lease in sorted(self.leases.items()):
             info = self.admission.replicas.get(cid)
