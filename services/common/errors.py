@@ -16,10 +16,12 @@ RESOURCE_EXHAUSTED). Raisers quote input with `quote`, at most 200 characters.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -138,12 +140,32 @@ def status_details(error: ApiError) -> bytes:
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], error: ApiError) -> None:
-    """Ends the call with the error's status, bounded message and ErrorInfo."""
-    await context.abort(
-        error.code,
-        bound(error.message, MAX_MESSAGE_BYTES),
-        trailing_metadata=(("grpc-status-details-bin", status_details(error)),),
-    )
+    """Ends the call with the error's status, bounded message and ErrorInfo.
+
+    Raises:
+        grpc.aio.AbortError: as `context.abort` does, to end the handler.
+        asyncio.CancelledError: the call had already ended (see `_gone`).
+    """
+    with _gone(context):
+        await context.abort(
+            error.code,
+            bound(error.message, MAX_MESSAGE_BYTES),
+            trailing_metadata=(("grpc-status-details-bin", status_details(error)),),
+        )
+
+
+@contextlib.contextmanager
+def _gone(context: Any) -> Iterator[None]:
+    """A status for a call that already ended (the client cancelled or its deadline
+    passed while the handler failed, e.g. a database driver turning the cancellation
+    into its own error) cannot be sent, and gRPC says so with an InternalError: there is
+    no one to tell, so the handler ends as the cancelled call it is, quietly."""
+    try:
+        yield
+    except grpc.aio.InternalError:
+        if context.done() or context.cancelled():
+            raise asyncio.CancelledError() from None
+        raise
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -176,9 +198,10 @@ async def unexpected(context: Any, where: str, exc: Exception) -> None:
         await abort(context, error)
         return
     log.exception("unhandled error in %s", where)
-    await context.abort(
-        grpc.StatusCode.INTERNAL, bound(f"internal error: {exc}", MAX_MESSAGE_BYTES)
-    )
+    with _gone(context):
+        await context.abort(
+            grpc.StatusCode.INTERNAL, bound(f"internal error: {exc}", MAX_MESSAGE_BYTES)
+        )
 
 
 def rpc_errors(handler: F) -> F:
