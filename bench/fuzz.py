@@ -7,7 +7,8 @@ each RPC of the access policy sends `--examples` hypothesis-generated requests
 line: per RPC the examples run, the count of each status code and of each error
 reason, and the problems found (INTERNAL or UNKNOWN, an error without a domain
 reason, a message too long, a refused request that changed state), with the first
-few described; plus the machine.
+few described; what the servers logged as errors or with a traceback, by logger
+and message; plus the machine.
 
     python bench/fuzz.py [--examples 500] [--seconds 30] [--database-url URL]
                          [--methods SUBSTRING] [--seed N]
@@ -20,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import json
+import logging
 import sys
 import tempfile
 import time
@@ -68,8 +70,22 @@ class Tally:
         return []  # count, never stop
 
 
+class LoggedErrors(logging.Handler):
+    """Counts what the servers log as errors or with a traceback, by logger."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.levelno >= logging.ERROR or record.exc_info:
+            self.counts[f"{record.name}: {record.getMessage()[:120]}"] += 1
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = [m for m in POLICY if args.methods in m]
+    logged = LoggedErrors()
+    logging.getLogger().addHandler(logged)
     report: dict[str, dict[str, Any]] = {}
     problems: list[str] = []
     started = time.monotonic()
@@ -105,6 +121,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rpcs": report,
         "problems_total": len(problems),
         "problems_shown": problems[:SHOWN_PROBLEMS],
+        "logged_errors": dict(logged.counts.most_common()),
         "elapsed_seconds": round(time.monotonic() - started, 1),
         "machine": machine(),
     }
