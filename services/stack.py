@@ -21,11 +21,15 @@ a CA and certificates under `DATA_DIR/tls/` (`mj-certs`) and runs every server
 with TLS and mTLS: each replica's certificate names its controller id, and
 clients present `admin.pem`. Tests talk to a stack through `client_security`,
 `channel()` and `client_env()`.
+
+Starting fails fast (SPEC §19): a service that exits while the stack starts (a bad
+setting: an unknown backend, an unreadable config, a port another process holds)
+is reported at once with its own error line, and every service already started is
+stopped, so nothing is left running for the next `make up` to trip over.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import signal
@@ -39,10 +43,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.backends import BACKENDS
 from services.backends.ssh.config import NodePool, load_node_pools
 from services.common.auth import Secrets, local_user
 from services.common.certs import make_certificates
 from services.common.channels import ClientSecurity, TokenSource, open_sync_channel
+from services.common.settings import OneLineParser
 from services.common.tls import ClientTls
 from services.common.tokens import bootstrap, tokens_path
 
@@ -50,6 +56,22 @@ from services.common.tokens import bootstrap, tokens_path
 TLS_HOSTS = ("scheduler", "logs", "simcloud")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1")
 LOGS_SERVICE = "logs"
+
+
+class StackError(RuntimeError):
+    """A service of the stack exited while the stack was starting; the message ends with
+    the service's own last line (its error)."""
+
+
+def last_line(path: Path, limit: int = 8192) -> str:
+    """The last non-empty line of a log file (its tail only is read)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, path.stat().st_size - limit))
+            lines = file.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
 def free_port() -> int:
@@ -106,13 +128,31 @@ class Service:
         if self.process is not None and self.process.poll() is None:
             os.kill(self.process.pid, sig)
 
+    def failure(self) -> str:
+        """Why the process is gone: its exit code and its last line ("" while it runs)."""
+        if self.process is None or self.running:
+            return ""
+        return f"{self.name} exited with {self.process.returncode}: {last_line(self.log_path)}"
+
+    def serving(self) -> bool:
+        """Whether the service answers SERVING now (one short health check)."""
+        try:
+            wait_serving(self.address, 0.2, self.security)
+        except TimeoutError:
+            return False
+        return True
+
     def wait_serving(self, timeout: float = 30.0) -> None:
-        """Blocks until the service reports SERVING; raises if its process exits first."""
+        """Blocks until the service reports SERVING.
+
+        Raises:
+            StackError: its process exited first (with its last line).
+            TimeoutError: it did not become healthy in `timeout` seconds.
+        """
         deadline = time.monotonic() + timeout
         while True:
             if not self.running:
-                code = self.process.returncode if self.process is not None else None
-                raise RuntimeError(f"{self.name} exited with {code}; see {self.log_path}")
+                raise StackError(f"{self.failure()} (log: {self.log_path})")
             try:
                 wait_serving(
                     self.address,
@@ -378,17 +418,44 @@ class Stack:
         return [s for s in self.services if s.process is not None and not s.running]
 
     def start(self, timeout: float = 30.0) -> None:
-        if self.simcloud is not None:
-            self.simcloud.start()
-            self.simcloud.wait_serving(timeout)
-        self.scheduler.start()
-        self.scheduler.wait_serving(timeout)
-        for service in [self.logs, *self.controllers]:
-            service.start()
-        for service in [self.logs, *self.controllers]:
-            service.wait_serving(timeout)
+        """Starts the services in order (the cloud, the scheduler, then the rest together),
+        each group serving before the next starts.
+
+        Fails fast: as soon as any started process exits, every service started so far
+        is stopped and `StackError` names the one that exited with its own last line
+        (e.g. `controller-1 exited with 2: mj-controller: error: argument --backend:
+        ...`). Nothing of the stack is left running when this raises.
+
+        Raises:
+            StackError: a service exited while starting.
+            TimeoutError: a service did not become healthy in `timeout` seconds.
+        """
+        cloud = [self.simcloud] if self.simcloud is not None else []
+        try:
+            for group in ([*cloud], [self.scheduler], [self.logs, *self.controllers]):
+                for service in group:
+                    service.start()
+                self._wait_serving(group, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_serving(self, group: Sequence[Service], timeout: float) -> None:
+        """Waits until every service of `group` serves, checking every started process."""
+        deadline = time.monotonic() + timeout
+        waiting = list(group)
+        while waiting:
+            for service in self.services:
+                failure = service.failure()
+                if failure:
+                    raise StackError(f"{failure} (log: {service.log_path})")
+            waiting = [service for service in waiting if not service.serving()]
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(service.name for service in waiting)
+                raise TimeoutError(f"{names} did not become healthy in {timeout:.0f}s")
 
     def stop(self) -> None:
+        """Stops every service started (each at most once; one never started is skipped)."""
         # Replicas first, so that they hand their jobs back to a live scheduler.
         for service in [*self.controllers, self.logs, self.scheduler]:
             service.stop()
@@ -405,13 +472,13 @@ class Stack:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = OneLineParser(prog="stack", description=__doc__)
     parser.add_argument("--data-dir", default=os.environ.get("MJ_DATA_DIR", ".mj"))
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--poll-interval", default=os.environ.get("MJ_POLL_INTERVAL", "1"))
     parser.add_argument(
         "--backend",
-        choices=["local", "sim", "ssh"],
+        choices=list(BACKENDS),
         default=os.environ.get("MJ_BACKEND", "local"),
         help="local: processes on this host; sim: start mj-simcloud and use it; "
         "ssh: the hosts of --ssh-node-pools",
@@ -432,6 +499,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="TLS and mTLS between every process, with certificates made under DATA_DIR/tls",
     )
     args = parser.parse_args(argv)
+    if args.backend not in BACKENDS:  # from MJ_BACKEND: argparse checks only flags
+        parser.error(f"MJ_BACKEND={args.backend!r}: choose one of {', '.join(BACKENDS)}")
     simcloud_args: list[str] | None = None
     pools: dict[str, NodePool] = {}
     if args.backend == "sim":
@@ -463,7 +532,11 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    stack.start()
+    try:
+        stack.start()
+    except (StackError, TimeoutError) as exc:
+        # Every service it started is stopped already: the next `make up` starts clean.
+        raise SystemExit(f"stack: {exc}") from None
     if stack.simcloud is not None:
         print(f"simcloud   {stack.simcloud_address}")
     if args.backend == "ssh":
@@ -484,8 +557,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         while not stopping:
             for service in stack.services:
-                if service.process is not None and service.process.poll() is not None:
-                    print(f"{service.name} exited with {service.process.returncode}; stopping")
+                if service.failure():
+                    print(f"{service.failure()}; stopping", file=sys.stderr)
                     stopping = True
             time.sleep(0.5)
     finally:

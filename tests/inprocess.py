@@ -50,10 +50,17 @@ class System:
 
 
 @contextlib.asynccontextmanager
-async def running_system(ids: Identities, tls: bool, folder: Path) -> AsyncIterator[System]:
-    """Starts the four servers, keeping their files in the existing `folder`; stops them on exit."""
+async def running_system(
+    ids: Identities, tls: bool, folder: Path, database_url: str = ""
+) -> AsyncIterator[System]:
+    """Starts the four servers, keeping their files in the existing `folder`; stops them on exit.
+
+    The scheduler's database is `database_url`, by default a SQLite file in `folder`.
+    """
     scheduler = SchedulerApp(
-        f"sqlite:///{folder / 'scheduler.db'}", Limits(), security=ids.server("scheduler", tls)
+        database_url or f"sqlite:///{folder / 'scheduler.db'}",
+        Limits(),
+        security=ids.server("scheduler", tls),
     )
     scheduler_address = f"127.0.0.1:{await scheduler.start()}"
     stack = contextlib.AsyncExitStack()

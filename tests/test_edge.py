@@ -33,7 +33,7 @@ from services.common.access import current_principal
 from services.common.bounds import quote
 from services.common.channels import ClientSecurity, open_channel
 from services.common.edge import ServerSecurity
-from services.common.errors import InvalidArgument, rpc_errors
+from services.common.errors import InvalidArgument, Unavailable, rpc_errors
 from services.common.server import Server
 from services.common.tls import ClientTls
 
@@ -66,12 +66,22 @@ class StateStandIn(controller_service_pb2_grpc.ControllerServiceServicer):
 
 
 class LogsStandIn(log_service_pb2_grpc.LogServiceServicer):
-    """ReadLogs (user, admin) streams the principal; FetchTaskLogs (controller) fails big."""
+    """ReadLogs (user, admin) streams the principal, or for job 99 fails once the caller
+    has gone (as a database driver does that turns the cancellation into its own error);
+    FetchTaskLogs (controller) fails big."""
+
+    late_failures: asyncio.Queue[str] = asyncio.Queue()
 
     @rpc_errors
     async def ReadLogs(
         self, request: log_service_pb2.ReadLogsRequest, context: Context
     ) -> AsyncIterator[log_service_pb2.ReadLogsResponse]:
+        if request.job_id == 99:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.late_failures.put_nowait("failed after the caller left")
+                raise Unavailable("the database went away") from None
         for _ in range(2):
             yield log_service_pb2.ReadLogsResponse(job_id=request.job_id, data=describe().encode())
 
@@ -321,6 +331,24 @@ async def test_the_edge_answers_for_a_handler_without_rpc_errors(
             await stub.GetSchedulerState(scheduler_service_pb2.GetSchedulerStateRequest())
     assert caught.value.code() == code
     assert 100 < len((caught.value.details() or "").encode()) <= 1024
+
+
+async def test_a_handler_failing_after_its_caller_left_ends_quietly(
+    address: str, ids: Identities, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The status of a call already over cannot be sent; that is no bug to log."""
+    caplog.set_level(logging.WARNING)
+    async with open_channel(address, ids.client("admin", tls=False)) as channel:
+        stub = log_service_pb2_grpc.LogServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.ReadLogs(log_service_pb2.ReadLogsRequest(job_id=99), timeout=0.2):
+                pass
+        assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(LogsStandIn.late_failures.get(), 5)
+        # The server still answers (a round trip: the failed handler's end ran meanwhile),
+        # and logged nothing about the late failure.
+        assert await state(address, ids.client("admin", tls=False))
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
 def test_quote_shows_at_most_200_characters() -> None:

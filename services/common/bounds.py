@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 import reprlib
 
+from google.protobuf.timestamp_pb2 import Timestamp
+
 __all__ = [
     "MAX_ENV_BYTES",
     "MAX_ENV_KEYS",
@@ -32,12 +34,14 @@ __all__ = [
     "MAX_SPEC_BYTES",
     "MAX_TAIL_LINES",
     "MAX_TASKS",
+    "MAX_TIMESTAMP_SECONDS",
     "MAX_YAML_DEPTH",
     "QUOTE_LIMIT",
     "BoundsError",
     "check_controller_id",
     "check_identifier",
     "check_pool",
+    "check_timestamp",
     "check_user",
     "json_depth",
     "quote",
@@ -70,6 +74,8 @@ MAX_LOG_LINE_BYTES = 16 * 1024
 MAX_TAIL_LINES = 100_000
 MAX_HANDLE_BYTES = 16 * 1024
 MAX_JSON_DEPTH = 16
+# Times a request may carry: 1970-01-01 to 9999-12-31 (the end of google.protobuf.Timestamp).
+MAX_TIMESTAMP_SECONDS = 253_402_300_799
 
 MAX_IDENTIFIER_CHARS = 64
 _IDENTIFIER_RE = re.compile(r"[a-z0-9._-]+")
@@ -179,3 +185,16 @@ def check_pool(value: str, field: str = "pool") -> str:
 def check_controller_id(value: str, field: str = "controller_id") -> str:
     """Checks a controller replica's id (required; see `check_identifier`)."""
     return check_identifier(value, field)
+
+
+def check_timestamp(value: Timestamp, field: str) -> Timestamp:
+    """Checks a time given in a request: from 1970 to 9999, nanos within a second.
+
+    Raises:
+        BoundsError: seconds or nanos out of range (converting it would fail later).
+    """
+    if not (0 <= value.seconds <= MAX_TIMESTAMP_SECONDS and 0 <= value.nanos < 1_000_000_000):
+        raise BoundsError(
+            field, f"not a time from 1970 to 9999 (seconds {value.seconds}, nanos {value.nanos})"
+        )
+    return value

@@ -3,8 +3,10 @@
 Handlers raise `ApiError` subclasses; `rpc_errors` turns them into a status with
 a clear message and a `google.rpc.ErrorInfo` detail whose `reason` is a domain
 reason (`SPEC_INVALID`, `JOB_NOT_FOUND`, `TOKEN_UNKNOWN`...) given by the raiser,
-or the class's default. Anything else escaping a handler is a bug: it is logged
-with its traceback and answered INTERNAL.
+or the class's default. A reason is never a bare status name (`OUT_OF_RANGE`):
+the code already says that much, the reason says which rule was broken. Anything
+else escaping a handler is a bug: it is logged with its traceback and answered
+INTERNAL.
 
 Every message and every ErrorInfo value is bounded (`MAX_MESSAGE_BYTES`,
 `MAX_VALUE_BYTES`, `MAX_METADATA_ENTRIES`) so that no error, whatever input it
@@ -14,10 +16,12 @@ RESOURCE_EXHAUSTED). Raisers quote input with `quote`, at most 200 characters.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -93,7 +97,7 @@ class FailedPrecondition(ApiError):
 
 class OutOfRange(ApiError):
     code = grpc.StatusCode.OUT_OF_RANGE
-    reason = "OUT_OF_RANGE"
+    reason = "VALUE_OUT_OF_RANGE"
 
 
 class PermissionDenied(ApiError):
@@ -108,7 +112,7 @@ class Unauthenticated(ApiError):
 
 class AlreadyExists(ApiError):
     code = grpc.StatusCode.ALREADY_EXISTS
-    reason = "ALREADY_EXISTS"
+    reason = "RESOURCE_EXISTS"
 
 
 class ResourceExhausted(ApiError):
@@ -136,12 +140,32 @@ def status_details(error: ApiError) -> bytes:
 
 
 async def abort(context: grpc.aio.ServicerContext[Any, Any], error: ApiError) -> None:
-    """Ends the call with the error's status, bounded message and ErrorInfo."""
-    await context.abort(
-        error.code,
-        bound(error.message, MAX_MESSAGE_BYTES),
-        trailing_metadata=(("grpc-status-details-bin", status_details(error)),),
-    )
+    """Ends the call with the error's status, bounded message and ErrorInfo.
+
+    Raises:
+        grpc.aio.AbortError: as `context.abort` does, to end the handler.
+        asyncio.CancelledError: the call had already ended (see `_gone`).
+    """
+    with _gone(context):
+        await context.abort(
+            error.code,
+            bound(error.message, MAX_MESSAGE_BYTES),
+            trailing_metadata=(("grpc-status-details-bin", status_details(error)),),
+        )
+
+
+@contextlib.contextmanager
+def _gone(context: Any) -> Iterator[None]:
+    """A status for a call that already ended (the client cancelled or its deadline
+    passed while the handler failed, e.g. a database driver turning the cancellation
+    into its own error) cannot be sent, and gRPC says so with an InternalError: there is
+    no one to tell, so the handler ends as the cancelled call it is, quietly."""
+    try:
+        yield
+    except grpc.aio.InternalError:
+        if context.done() or context.cancelled():
+            raise asyncio.CancelledError() from None
+        raise
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -174,9 +198,10 @@ async def unexpected(context: Any, where: str, exc: Exception) -> None:
         await abort(context, error)
         return
     log.exception("unhandled error in %s", where)
-    await context.abort(
-        grpc.StatusCode.INTERNAL, bound(f"internal error: {exc}", MAX_MESSAGE_BYTES)
-    )
+    with _gone(context):
+        await context.abort(
+            grpc.StatusCode.INTERNAL, bound(f"internal error: {exc}", MAX_MESSAGE_BYTES)
+        )
 
 
 def rpc_errors(handler: F) -> F:

@@ -12,7 +12,7 @@ import logging
 
 from prometheus_client import Histogram, start_http_server
 
-from services.common.settings import Setting
+from services.common.settings import Setting, SettingError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,12 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     """Serves /metrics on `port` (0: not at all); returns the port."""
     if not port:
         return 0
-    start_http_server(port, addr=host)
+    try:
+        start_http_server(port, addr=host)
+    except OSError as exc:
+        raise SettingError(
+            f"cannot serve metrics on {host}:{port} (--metrics-port): {exc.strerror or exc}"
+        ) from None
     log.info("metrics serving", extra={"metrics_port": port})
     return port
 

@@ -6,6 +6,9 @@ edge in front of every service (edge.py: tokens, roles, audit, request decoding)
 TLS or mTLS when the `ServerSecurity` has certificates, and a SIGTERM/SIGINT
 handler that drains in phases: mark NOT_SERVING, let the service hand its work
 back, then stop with a grace period. SIGHUP re-reads the tokens files.
+
+A port another process holds is never shared (no SO_REUSEPORT): the service stops at
+once with one line naming the address and the reason (`SettingError`).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -24,11 +28,15 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import reload_all
 from services.common.edge import EdgeInterceptor, ServerSecurity
+from services.common.settings import SettingError
 
 log = logging.getLogger(__name__)
 
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 SERVER_OPTIONS = [
+    # A port another process holds is an error, never shared: with SO_REUSEPORT (gRPC's
+    # default) a second scheduler on the same port would silently take half the calls.
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 20_000),
@@ -80,13 +88,22 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         names = [*self._service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name]
         reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], self._server)
-        if self.security.tls is not None:
-            credentials = self.security.tls.credentials()
-            self.port = self._server.add_secure_port(self._address, credentials)
-        else:
-            self.port = self._server.add_insecure_port(self._address)
+        # Asked first, so gRPC's own failure (a line of its log, then a bare "Failed to
+        # bind") is the rare race where the port was taken in between.
+        busy = _bind_error(self._address)
+        if busy:
+            raise SettingError(f"cannot listen on {self._address} (--host, --port): {busy}")
+        try:
+            if self.security.tls is not None:
+                credentials = self.security.tls.credentials()
+                self.port = self._server.add_secure_port(self._address, credentials)
+            else:
+                self.port = self._server.add_insecure_port(self._address)
+        except RuntimeError:  # gRPC's "Failed to bind": say why, in one line
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self._address}")
+            why = _bind_error(self._address) or "refused by gRPC"
+            raise SettingError(f"cannot listen on {self._address} (--host, --port): {why}")
         await self._server.start()
         await self.set_serving(True)
         if self.security.tokens is None:
@@ -113,6 +130,26 @@ class Server:
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()
+
+
+def _bind_error(address: str) -> str:
+    """Why `host:port` cannot be listened on, as the operating system says; "" if it can.
+
+    The probe binds as gRPC does (SO_REUSEADDR), so a port whose old connections linger
+    in TIME_WAIT after a restart is free, and one another process listens on is not.
+    """
+    host, _, port = address.rpartition(":")
+    try:
+        if not int(port):
+            return ""
+        infos = socket.getaddrinfo(host.strip("[]") or None, int(port), type=socket.SOCK_STREAM)
+        family, kind, proto, _, sockaddr = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(sockaddr)
+    except (OSError, ValueError) as exc:
+        return getattr(exc, "strerror", None) or str(exc)
+    return ""
 
 
 def _reload_tokens_on_sighup() -> None:

@@ -4,6 +4,12 @@ A service declares its settings as a tuple of `Setting`; `parse` builds the
 argparse parser from it, with each environment variable supplying the default
 that a flag overrides. The same declarations let tests check that
 docker-compose.yml only uses variables a service accepts.
+
+Bad settings fail fast (SPEC §19): a value its type refuses (an unknown backend, an
+unreadable node pools file, a number that is not one), from a flag or from its
+variable, stops the service before it does anything, with one line naming the
+setting and the problem (`prog: error: argument --flag: ...`), exit code 2, no usage text and no
+traceback.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ import argparse
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
+
+from services.common.bounds import quote
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +48,28 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+# The service whose settings were parsed last (`parse`): its error lines name it.
+_program = ""
+
+
+class SettingError(SystemExit):
+    """A setting the service cannot run with, found once running (a port another process
+    holds): raised anywhere, it ends the process with one line, `prog: error: message`,
+    and exit code 1, without a traceback."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{_program or 'error'}: error: {message}")
+        self.message = message
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, `prog: error: message`, without the
+    usage text (`--help` shows it)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(
     prog: str,
     description: str,
@@ -48,7 +78,7 @@ def build_parser(
 ) -> argparse.ArgumentParser:
     """The argparse parser of `settings`: each environment variable supplies the default."""
     environ = os.environ if environ is None else environ
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     for setting in settings:
@@ -57,7 +87,7 @@ def build_parser(
             try:
                 default = setting.type(environ[setting.env])
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                parser.error(f"{setting.env}={environ[setting.env]!r}: {exc}")
+                parser.error(f"{setting.env}={quote(environ[setting.env])}: {exc}")
         # A boolean flag alone means true: `--insecure` as well as `--insecure false`.
         flag_only: dict[str, Any] = {"nargs": "?", "const": True} if setting.type is boolean else {}
         parser.add_argument(
@@ -79,6 +109,8 @@ def parse(
     environ: Mapping[str, str] | None = None,
 ) -> argparse.Namespace:
     """Parses flags over environment variables over defaults."""
+    global _program
+    _program = prog
     return build_parser(prog, description, settings, environ).parse_args(argv)
 
 
@@ -90,7 +122,23 @@ SCHEDULER_ADDRESS = Setting(
     "scheduler_address", "MJ_SCHEDULER_ADDRESS", "127.0.0.1:50051", "scheduler host:port"
 )
 LOGS_ADDRESS = Setting("logs_address", "MJ_LOGS_ADDRESS", "127.0.0.1:50052", "logs host:port")
-BACKEND = Setting("backend", "MJ_BACKEND", "local", "compute backend: local, sim or ssh")
+
+
+def backend_name(text: str) -> str:
+    """A registered backend's name (services/backends: `BACKENDS`)."""
+    # The registry imports this module: read it only once a value is parsed.
+    from services.backends import BACKENDS
+
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {quote(text)}; known backends: {', '.join(BACKENDS)}"
+        )
+    return text
+
+
+BACKEND = Setting(
+    "backend", "MJ_BACKEND", "local", "compute backend: local, sim or ssh", backend_name
+)
 SHUTDOWN_GRACE = Setting(
     "shutdown_grace",
     "MJ_SHUTDOWN_GRACE",

@@ -24,7 +24,7 @@ from services.common.channels import ClientSecurity
 from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
-from services.common.settings import Setting
+from services.common.settings import Setting, SettingError
 from services.common.tls import TlsConfigError
 from services.controller.capacity import DEFAULT_MEMORY_PER_JOB_KB, replica_capacity
 from services.controller.config import LifecycleConfig
@@ -123,7 +123,12 @@ def default_controller_id(port: int) -> str:
 
 
 async def serve(a: argparse.Namespace, security: ServerSecurity, client: ClientSecurity) -> None:
-    backend = make_backend(a.backend, vars(a))
+    # First: a taken metrics port stops the service before it opened anything.
+    serve_metrics(a.metrics_port, a.host)
+    try:
+        backend = make_backend(a.backend, vars(a))
+    except ValueError as exc:  # a backend setting it cannot run with, named
+        raise SettingError(str(exc)) from None
     await backend.prepare()
     config = LifecycleConfig(
         poll_interval=a.poll_interval,
@@ -160,7 +165,6 @@ async def serve(a: argparse.Namespace, security: ServerSecurity, client: ClientS
     replica.address = f"{a.host}:{port}"
     replica.controller_id = replica.controller_id or default_controller_id(port)
     replica.start()
-    serve_metrics(a.metrics_port, a.host)
     log.info(
         "controller serving",
         extra={"port": port, "controller_id": replica.controller_id, "pid": os.getpid()},

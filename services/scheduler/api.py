@@ -2,6 +2,15 @@
 
 Validation happens here, before anything is stored: a rejected request changes
 nothing. Domain errors become status codes through `rpc_errors`.
+
+Every input is bounded (SPEC §19): a request names at most `MAX_JOB_IDS` job ids,
+each positive; a status filter is a set of known statuses; no text holds a NUL
+character. A watch resumed after
+an event id past the newest is OUT_OF_RANGE (reason EVENTS_AHEAD: the database was
+replaced, or the id was never issued) rather than a wait for events that may never
+come; a watcher that falls `--watch-queue-limit` events behind is cut off with
+RESOURCE_EXHAUSTED (reason WATCHER_OVERFLOW) and ErrorInfo metadata
+`resume_after_event_id`, the id to resume after without losing an event.
 """
 
 from __future__ import annotations
@@ -12,16 +21,23 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
 from services.common.access import current_principal, require_owner, require_user
 from services.common.bounds import MAX_INT64, BoundsError, check_pool, check_user, quote
-from services.common.errors import InvalidArgument, NotFound, rpc_errors
+from services.common.errors import (
+    InvalidArgument,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    rpc_errors,
+)
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
 from services.scheduler.cancels import Cancels, Targets
-from services.scheduler.events import EventBus
+from services.scheduler.events import EventBus, WatcherOverflow
 from services.scheduler.intake import Intake
 from services.scheduler.ownership import OwnedJobs
 from services.scheduler.spec import SpecError, parse_job_spec
@@ -32,6 +48,8 @@ MAX_BATCH = 1000
 MAX_PAGE_SIZE = 1000
 MAX_PRIORITY = 1000
 MAX_KEY_CHARS = 256
+# Job ids one request may name (CancelJobs, WatchJobs).
+MAX_JOB_IDS = 1000
 DEFAULT_USER = "default"
 
 
@@ -53,6 +71,70 @@ def _parse_page_token(token: str) -> int:
             f"page_token: {quote(token)} is not a token this server issued",
             reason="PAGE_TOKEN_INVALID",
         ) from None
+
+
+def _job_ids(values: Sequence[int], field: str = "job_ids") -> list[int]:
+    """The distinct job ids a request names, ascending.
+
+    Raises:
+        InvalidArgument: more than `MAX_JOB_IDS` ids, or one that is not positive.
+    """
+    if len(values) > MAX_JOB_IDS:
+        raise InvalidArgument(
+            f"{field}: at most {MAX_JOB_IDS} job ids per request, got {len(values):,}",
+            reason="TOO_MANY_JOB_IDS",
+            field=field,
+            limit=str(MAX_JOB_IDS),
+        )
+    for index, job_id in enumerate(values):
+        if job_id <= 0:
+            raise InvalidArgument(
+                f"{field}[{index}]: job ids are positive, got {job_id}", field=f"{field}[{index}]"
+            )
+    return sorted(set(values))
+
+
+def _no_nul(message: Message, prefix: str = "") -> None:
+    """Refuses a NUL character in any text of the request: no field means one, and
+    PostgreSQL cannot store one (it would fail the write, not the request).
+
+    Raises:
+        InvalidArgument: naming the field.
+    """
+    for field, value in message.ListFields():
+        path = prefix + field.name
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            texts = [(f"{path}[{quote(k)}]", f"{k}{v}") for k, v in value.items()]
+        elif field.type == field.TYPE_STRING:
+            texts = [(path, v) for v in (value if field.is_repeated else [value])]
+        elif field.type == field.TYPE_MESSAGE:
+            for index, item in enumerate(value if field.is_repeated else [value]):
+                _no_nul(item, f"{path}[{index}]." if field.is_repeated else f"{path}.")
+            continue
+        else:
+            continue
+        for where, text in texts:
+            if "\x00" in text:
+                raise InvalidArgument(
+                    f"{where}: must not contain NUL characters", field=where, reason="NUL_CHARACTER"
+                )
+
+
+def _statuses(values: Sequence[int]) -> list[JobStatus]:
+    """The distinct statuses of a filter.
+
+    Raises:
+        InvalidArgument: a value that is no status.
+    """
+    statuses: set[JobStatus] = set()
+    for index, value in enumerate(values):
+        try:
+            statuses.add(JobStatus(value))
+        except ValueError:
+            raise InvalidArgument(
+                f"statuses[{index}]: unknown status {value}", field=f"statuses[{index}]"
+            ) from None
+    return sorted(statuses)
 
 
 def _user(user: str, field: str = "user") -> str:
@@ -158,6 +240,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJob(
         self, request: pb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.SubmitJobResponse:
+        _no_nul(request)
         [job_id] = await self._submit([self._new_job(request)])
         return pb.SubmitJobResponse(job_id=job_id)
 
@@ -175,6 +258,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             raise InvalidArgument("jobs: give at least one job")
         if len(request.jobs) > MAX_BATCH:
             raise InvalidArgument(f"jobs: at most {MAX_BATCH} per call, got {len(request.jobs)}")
+        _no_nul(request)
         jobs = [self._new_job(job, f"jobs[{i}].") for i, job in enumerate(request.jobs)]
         return pb.SubmitJobsResponse(job_ids=await self._submit(jobs))
 
@@ -209,13 +293,9 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     ) -> pb.ListJobsResponse:
         if request.page_size < 0:
             raise InvalidArgument("page_size: must not be negative")
+        _no_nul(request)
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        statuses = []
-        for value in request.statuses:
-            try:
-                statuses.append(JobStatus(value))
-            except ValueError:
-                raise InvalidArgument(f"statuses: unknown status {value}") from None
+        statuses = _statuses(request.statuses)
         jobs = await self.store.list_jobs(
             statuses,
             user=require_user(current_principal(), request.user),
@@ -233,13 +313,15 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         ways = sum([bool(request.job_ids), bool(request.name), request.all])
         if ways != 1:
             raise InvalidArgument("give exactly one of job_ids, name or all")
+        _no_nul(request)
+        job_ids = _job_ids(request.job_ids)
         principal = current_principal()
         user = require_user(principal, request.user)
         if request.all and not user:
             raise InvalidArgument("user: required with all")
-        if request.job_ids:
-            await self._owned(request.job_ids)
-        targets = Targets(job_ids=sorted(request.job_ids), name=request.name, user=user)
+        if job_ids:
+            await self._owned(job_ids)
+        targets = Targets(job_ids=job_ids, name=request.name, user=user)
         cancelled = await self.cancels.cancel(targets)
         return pb.CancelJobsResponse(cancelled_job_ids=cancelled)
 
@@ -248,11 +330,12 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         self, request: pb.WatchJobsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.WatchJobsResponse]:
         if request.after_event_id < 0:
-            raise InvalidArgument("after_event_id: must not be negative")
-        job_ids = list(request.job_ids)
+            raise InvalidArgument("after_event_id: must not be negative", field="after_event_id")
+        job_ids = _job_ids(request.job_ids)
         principal = current_principal()
         if job_ids:
             await self._owned(job_ids)
+        await self._not_ahead(request.after_event_id)
         # A user's watch of every job shows their own jobs only.
         owned = None
         if not job_ids and not principal.sees_every_job:
@@ -274,7 +357,16 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 if len(backlog) < 1000:
                     break
             while True:
-                event = await subscription.next()
+                try:
+                    event = await subscription.next()
+                except WatcherOverflow as overflow:
+                    resume = max(overflow.resume_after, request.after_event_id)
+                    raise ResourceExhausted(
+                        f"this watch fell more than {self.bus.queue_limit:,} events behind and "
+                        f"was cut off; watch again with after_event_id={resume}",
+                        reason="WATCHER_OVERFLOW",
+                        resume_after_event_id=str(resume),
+                    ) from None
                 if event.event_id <= request.after_event_id or not sent.add(event.event_id):
                     continue
                 if owned is not None and not await owned.owns(event.job_id):
@@ -282,3 +374,18 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 yield pb.WatchJobsResponse(event=event)
         finally:
             subscription.close()
+
+    async def _not_ahead(self, after_event_id: int) -> None:
+        """Raises OutOfRange for a resume point past the newest event: no such event was
+        ever sent (the database was replaced since), so waiting would wait forever."""
+        if not after_event_id:
+            return
+        head = await self.store.last_event_id()
+        if after_event_id > head:
+            raise OutOfRange(
+                f"after_event_id: {after_event_id} is past the newest event ({head}); "
+                "watch again from 0 or from an id you were sent",
+                reason="EVENTS_AHEAD",
+                field="after_event_id",
+                head_event_id=str(head),
+            )

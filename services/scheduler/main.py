@@ -34,7 +34,7 @@ from services.scheduler.cancels import Cancels
 from services.scheduler.counters import Counters
 from services.scheduler.db import Database, default_url
 from services.scheduler.deadlines import PendingDeadlines
-from services.scheduler.events import EventBus
+from services.scheduler.events import QUEUE_LIMIT, EventBus
 from services.scheduler.health import DbHealth, is_unreachable, unavailable
 from services.scheduler.outbox import Outbox
 from services.scheduler.replicas import Replicas
@@ -93,6 +93,14 @@ SETTINGS = (
         "seconds between checks of the admission counters against a recount",
         float,
     ),
+    Setting(
+        "watch_queue_limit",
+        "MJ_WATCH_QUEUE_LIMIT",
+        QUEUE_LIMIT,
+        "events a WatchJobs stream may fall behind before it is cut off (RESOURCE_EXHAUSTED, "
+        "with the event id to resume after)",
+        int,
+    ),
     *settings.SERVER_SECURITY,
     METRICS_PORT,
     settings.LOG_LEVEL,
@@ -115,9 +123,10 @@ class SchedulerApp:
         heartbeat_interval: float = 2.0,
         db_probe_interval: float = 2.0,
         reconcile_interval: float = 30.0,
+        watch_queue_limit: int = QUEUE_LIMIT,
     ) -> None:
         self.db = Database.open(database_url)
-        self.bus = EventBus()
+        self.bus = EventBus(watch_queue_limit)
         self.store = Store(self.db, self.bus)
         self.counters = Counters(self.store)
         self.outbox = Outbox()
@@ -219,6 +228,8 @@ class SchedulerApp:
 
 
 async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
+    # First: a taken metrics port stops the service before it opened anything.
+    serve_metrics(a.metrics_port, a.host)
     app = SchedulerApp(
         a.database_url or default_url(a.data_dir),
         Limits(
@@ -234,9 +245,9 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
         heartbeat_interval=a.heartbeat_interval,
         db_probe_interval=a.db_probe_interval,
         reconcile_interval=a.reconcile_interval,
+        watch_queue_limit=a.watch_queue_limit,
     )
     port = await app.start()
-    serve_metrics(a.metrics_port, a.host)
     log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
     try:
         await run_until_signal(app.server, a.shutdown_grace)

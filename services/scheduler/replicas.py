@@ -31,14 +31,14 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
 from services.common.access import current_principal, require_controller
-from services.common.bounds import BoundsError, check_controller_id
+from services.common.bounds import BoundsError, check_controller_id, quote
 from services.common.errors import (
     AlreadyExists,
     ApiError,
@@ -57,6 +57,10 @@ from services.scheduler.store import Store
 log = logging.getLogger(__name__)
 St = ScheduleState
 MAX_BATCH = 512
+# What a hello may carry: a host:port, the regions of a backend.
+MAX_ADDRESS_CHARS = 256
+MAX_REGIONS = 1000
+MAX_REGION_CHARS = 128
 
 
 @dataclasses.dataclass
@@ -72,6 +76,32 @@ class Lease:
     draining: bool = False
     watchdog: asyncio.Task[None] | None = None
     stream: Stream | None = None
+
+
+def check_hello(hello: pb.ControllerHello) -> None:
+    """The rest of a hello, once its controller id passed: what the scheduler keeps of it
+    (capacity, address, regions, held jobs) must be in range.
+
+    Raises:
+        InvalidArgument: naming the field.
+    """
+
+    def refuse(field: str, message: str) -> NoReturn:
+        raise InvalidArgument(f"hello.{field}: {message}", field=f"hello.{field}")
+
+    for name in ("max_launches", "max_jobs"):
+        if getattr(hello.capacity, name) < 0:
+            refuse(f"capacity.{name}", "must not be negative")
+    if len(hello.address) > MAX_ADDRESS_CHARS:
+        refuse("address", f"at most {MAX_ADDRESS_CHARS} characters, got {quote(hello.address)}")
+    if len(hello.regions) > MAX_REGIONS:
+        refuse("regions", f"at most {MAX_REGIONS} regions, got {len(hello.regions)}")
+    for index, region in enumerate(hello.regions):
+        if not region or len(region) > MAX_REGION_CHARS:
+            refuse(f"regions[{index}]", f"1 to {MAX_REGION_CHARS} characters, got {quote(region)}")
+    for index, held in enumerate(hello.held_jobs):
+        if held.job_id <= 0 or held.epoch < 0:
+            refuse(f"held_jobs[{index}]", f"no job {held.job_id} at epoch {held.epoch}")
 
 
 class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -183,6 +213,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             except BoundsError as bad:
                 raise InvalidArgument(str(bad), field=bad.field) from None
             require_controller(current_principal(), cid)
+            check_hello(hello)
             self._refuse_a_second_stream(cid)
         except ApiError as refused:
             self.refused_hellos += 1
@@ -379,6 +410,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         state.refused_hellos = self.refused_hellos
         state.invalid_reports = self.reports.refused_invalid
         state.database_reachable = self.health.ok
+        state.watch_streams = self.store.bus.subscriptions
         counters = self.admission.counters
         for cid, lease in sorted(self.leases.items()):
             info = self.admission.replicas.get(cid)

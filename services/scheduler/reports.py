@@ -8,9 +8,15 @@ jobs costs one commit. Each report is judged on its own inside the batch:
 - a report whose epoch or controller is not the job's current assignment is
   refused as STALE (the replica must stop acting for the job, and is told so);
 - a report that breaks a rule (a transition `TASK_TRANSITIONS` forbids, a task
-  that does not exist) is refused as INVALID (the replica ends the job
+  that does not exist, a field out of range: an unknown status, a negative count,
+  a time outside 1970-9999) is refused as INVALID (the replica ends the job
   FAILED_CONTROLLER rather than pretend it was moved away);
-- anything else is applied. Nothing is written for a refused report.
+- anything else is applied. Nothing is written for a refused report: every field
+  is checked (`checked`) before the first write.
+
+Texts a report carries (messages, reasons, a region) are made storable rather than
+refused (cut to their bounds, a NUL character replaced): a long message is no
+reason to fail a job, nor to fail the batch it came in.
 
 Every status change costs O(1) in the length of the chain: the job row keeps the
 index of its current task, so a transition reads and writes the job, the task,
@@ -25,10 +31,13 @@ import dataclasses
 import enum
 import functools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from sqlalchemy import select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.bounds import check_timestamp, quote
+from services.common.errors import bound
 from services.common.statuses import (
     FAILED_GROUP,
     TERMINAL,
@@ -44,6 +53,7 @@ from services.scheduler.store import (
     StaleReport,
     Store,
     Txn,
+    chunked,
     move_held,
     set_task_status,
     set_task_statuses,
@@ -52,6 +62,11 @@ from services.scheduler.store import (
 S = JobStatus
 St = ScheduleState
 NO_FINAL_STATUS = "the lifecycle ended without a final status"
+# Bytes kept of each text of a report (a message, a reason, a condition).
+MAX_REPORT_TEXT = 16 * 1024
+# The columns of a task's cluster name and region (characters).
+MAX_CLUSTER_NAME = 128
+MAX_REGION = 64
 
 
 class Refusal(enum.IntEnum):
@@ -109,6 +124,7 @@ class Reports:
     ) -> tuple[Refusal, str]:
         kind = request.WhichOneof("message")
         try:
+            request = checked(request)
             if kind == "transition":
                 await transition(txn, cid, request.transition)
             elif kind == "launch_slot_request":
@@ -207,6 +223,61 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
         rows3 = await session.scalars(select(AttemptRow).where(key3.in_(sorted(attempt_keys))))
         found = {(a.job_id, a.task_id, a.attempt): a for a in rows3}
         loaded.attempts.update({k: found.get(k) for k in attempt_keys})
+
+
+def checked(request: pb.ConnectControllerRequest) -> pb.ConnectControllerRequest:
+    """The report as it may be stored, once every field is in range.
+
+    Texts are made storable rather than refused: a NUL character (no database text
+    holds one) becomes U+FFFD, a region is cut to its column, any other text to
+    `MAX_REPORT_TEXT` bytes. A cluster name is a name, not a text: a longer one than
+    its column is refused.
+
+    Raises:
+        ValueError: a field out of range, named (the report is refused as INVALID).
+    """
+    kind = request.WhichOneof("message")
+    if kind == "transition":
+        report = request.transition
+        try:
+            S(report.status)
+        except ValueError:
+            raise ValueError(f"transition.status: {report.status} is not a status") from None
+        for name in ("task_id", "attempt", "recovery_count", "restart_count"):
+            if getattr(report, name) < 0:
+                raise ValueError(f"transition.{name}: must not be negative")
+        for name, stamp in (
+            ("time", report.time),
+            ("start_time", report.start_time),
+            ("end_time", report.end_time),
+        ):
+            check_timestamp(stamp, f"transition.{name}")
+        if len(report.cluster_name) > MAX_CLUSTER_NAME:
+            raise ValueError(
+                f"transition.cluster_name: at most {MAX_CLUSTER_NAME} characters, "
+                f"got {quote(report.cluster_name)}"
+            )
+    inner = getattr(request, kind) if kind else None
+    changes: dict[str, str] = {}
+    for field, value in inner.ListFields() if inner is not None else ():
+        if isinstance(value, str):
+            stored = _storable(field.name, value)
+            if stored != value:
+                changes[field.name] = stored
+    if not changes:
+        return request
+    cut = pb.ConnectControllerRequest()
+    cut.CopyFrom(request)
+    for name, value in changes.items():
+        setattr(getattr(cut, kind or ""), name, value)
+    return cut
+
+
+def _storable(name: str, text: str) -> str:
+    text = text.replace("\x00", "\ufffd")
+    if name == "region":
+        return text[:MAX_REGION]
+    return bound(text, MAX_REPORT_TEXT)
 
 
 async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
@@ -408,34 +479,35 @@ async def release(
     to RECOVERING, since its cluster's state is unknown (SPEC §9). Conditional
     UPDATEs only: a job already moved on is left alone.
     """
-    where = [JobRow.controller_id == cid]
+    # Ids go in chunks: a database takes a bounded number of parameters per statement.
+    scopes: list[list[Any]] = [[]]
     if job_ids is not None:
-        where.append(JobRow.id.in_(list(job_ids)))
+        scopes = [[JobRow.id.in_(chunk)] for chunk in chunked(list(job_ids))]
     if pairs is not None:
-        if not pairs:
-            return
-        where.append(tuple_(JobRow.id, JobRow.epoch).in_(list(pairs)))
+        scopes = [[tuple_(JobRow.id, JobRow.epoch).in_(chunk)] for chunk in chunked(list(pairs))]
     released: list[tuple[int, int, ScheduleState, ScheduleState, JobStatus, int]] = []
-    for old, new in ((St.LAUNCHING, St.ALIVE), (St.ALIVE, St.ALIVE), (St.ALIVE_WAITING,) * 2):
-        rows = (
-            await txn.session.execute(
-                update(JobRow)
-                .where(*where, JobRow.schedule_state == old)
-                .values(controller_id=None, schedule_state=schedule_transition(old, new))
-                .returning(JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task),
-                execution_options={"synchronize_session": False},
-            )
-        ).all()
-        released += [(int(i), int(e), old, new, S(s), int(t)) for i, e, s, t in rows]
+    for scope in scopes:
+        where = [JobRow.controller_id == cid, *scope]
+        for old, new in ((St.LAUNCHING, St.ALIVE), (St.ALIVE, St.ALIVE), (St.ALIVE_WAITING,) * 2):
+            rows = (
+                await txn.session.execute(
+                    update(JobRow)
+                    .where(*where, JobRow.schedule_state == old)
+                    .values(controller_id=None, schedule_state=schedule_transition(old, new))
+                    .returning(JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task),
+                    execution_options={"synchronize_session": False},
+                )
+            ).all()
+            released += [(int(i), int(e), old, new, S(s), int(t)) for i, e, s, t in rows]
     if not released:
         return
     ids = [r[0] for r in released]
     moved = await set_task_statuses(txn, ids, [S.STARTING], S.RECOVERING)
     recovering = {job_id for job_id, _ in moved}
-    if recovering:
+    for chunk in chunked(sorted(recovering)):
         await txn.session.execute(
             update(JobRow)
-            .where(JobRow.id.in_(list(recovering)), JobRow.status == S.STARTING)
+            .where(JobRow.id.in_(chunk), JobRow.status == S.STARTING)
             .values(status=S.RECOVERING),
             execution_options={"synchronize_session": False},
         )

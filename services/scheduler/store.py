@@ -29,7 +29,7 @@ import json
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import Row, Select, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
@@ -61,6 +61,10 @@ from services.scheduler.models import (
     TaskRow,
 )
 from services.scheduler.spec import resources_summary
+
+T = TypeVar("T")
+# Ids per `IN (...)` list (see `chunked`).
+IN_CHUNK = 1000
 
 S = JobStatus
 St = ScheduleState
@@ -195,16 +199,23 @@ async def set_task_statuses(
     if forbidden:
         names = ", ".join(sorted(s.name for s in forbidden))
         raise IllegalTransition(f"tasks cannot move from {names} to {new.name}")
-    if not job_ids:
-        return []
-    query = update(TaskRow).where(TaskRow.job_id.in_(list(job_ids)), TaskRow.status.in_(list(old)))
-    if task_id is not None:
-        query = query.where(TaskRow.task_id == task_id)
-    rows = await txn.session.execute(
-        query.values(status=new, **values).returning(TaskRow.job_id, TaskRow.task_id),
-        execution_options={"synchronize_session": False},
-    )
-    return [(int(j), int(t)) for j, t in rows.all()]
+    moved: list[tuple[int, int]] = []
+    for chunk in chunked(list(job_ids)):
+        query = update(TaskRow).where(TaskRow.job_id.in_(chunk), TaskRow.status.in_(list(old)))
+        if task_id is not None:
+            query = query.where(TaskRow.task_id == task_id)
+        rows = await txn.session.execute(
+            query.values(status=new, **values).returning(TaskRow.job_id, TaskRow.task_id),
+            execution_options={"synchronize_session": False},
+        )
+        moved += [(int(j), int(t)) for j, t in rows.all()]
+    return moved
+
+
+def chunked(items: Sequence[T], size: int = IN_CHUNK) -> list[Sequence[T]]:
+    """`items` in slices of at most `size`, for `IN (...)` lists: PostgreSQL takes at most
+    32,767 parameters per statement, and a cancel or a release may name more jobs."""
+    return [items[start : start + size] for start in range(0, len(items), size)]
 
 
 class Store:

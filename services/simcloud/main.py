@@ -54,8 +54,9 @@ SETTINGS = (
 
 
 async def serve(args: argparse.Namespace, config: CloudConfig, security: ServerSecurity) -> None:
-    running = await start(config, args.host, args.port, security=security)
+    # First: a taken metrics port stops the service before it opened anything.
     serve_metrics(args.metrics_port, args.host)
+    running = await start(config, args.host, args.port, security=security)
     log.info(
         "simcloud serving",
         extra={

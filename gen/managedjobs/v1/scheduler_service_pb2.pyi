@@ -738,6 +738,7 @@ class GetSchedulerStateResponse(_message.Message):
     INVALID_REPORTS_FIELD_NUMBER: _builtins.int
     COUNTER_CORRECTIONS_FIELD_NUMBER: _builtins.int
     REFUSED_HELLOS_FIELD_NUMBER: _builtins.int
+    WATCH_STREAMS_FIELD_NUMBER: _builtins.int
     launching: _builtins.int
     alive: _builtins.int
     waiting: _builtins.int
@@ -753,6 +754,10 @@ class GetSchedulerStateResponse(_message.Message):
     refused_hellos: _builtins.int
     """Replica hellos refused since start: a controller id not bound to the caller's token,
     or one that already has a live stream.
+    """
+    watch_streams: _builtins.int
+    """WatchJobs streams open now, each holding one subscription to new events (an ended
+    stream, however it ended, holds none).
     """
     @_builtins.property
     def global_limits(self) -> Global___Capacity: ...
@@ -772,10 +777,11 @@ class GetSchedulerStateResponse(_message.Message):
         invalid_reports: _builtins.int = ...,
         counter_corrections: _builtins.int = ...,
         refused_hellos: _builtins.int = ...,
+        watch_streams: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["global_limits", b"global_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "counter_corrections", b"counter_corrections", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "invalid_reports", b"invalid_reports", "launching", b"launching", "refused_hellos", b"refused_hellos", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "counter_corrections", b"counter_corrections", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "invalid_reports", b"invalid_reports", "launching", b"launching", "refused_hellos", b"refused_hellos", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting", "watch_streams", b"watch_streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
