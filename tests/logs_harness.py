@@ -52,13 +52,15 @@ DONE = job_pb2.SCHEDULE_STATE_DONE
 
 
 class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
-    """GetJob and WatchJobs over an in-memory dict; tests change jobs with `update`."""
+    """GetJob, ListJobs by ids and WatchJobs over an in-memory dict; tests change jobs
+    with `update`."""
 
     def __init__(self) -> None:
         self.jobs: dict[int, job_pb2.Job] = {}
-        # GetJob calls answered, to see what the logs service's cache saves; `answered` is
-        # set by the next one.
+        # GetJob and ListJobs calls answered, to see what the logs service's cache saves;
+        # `answered` is set by the next one.
         self.get_calls = 0
+        self.list_calls = 0
         self.answered = asyncio.Event()
         self.events: list[job_pb2.JobEvent] = []
         self._subscribers: set[asyncio.Queue[job_pb2.JobEvent]] = set()
@@ -128,8 +130,21 @@ class FakeJobService(job_service_pb2_grpc.JobServiceServicer):
     async def SubmitJob(self, request: Any, context: Any) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
 
-    async def ListJobs(self, request: Any, context: Any) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")
+    @property
+    def questions(self) -> int:
+        """GetJob and ListJobs calls answered."""
+        return self.get_calls + self.list_calls
+
+    async def ListJobs(
+        self, request: job_service_pb2.ListJobsRequest, context: Any
+    ) -> job_service_pb2.ListJobsResponse:
+        if not request.job_ids:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "only by job ids in this fake")
+        self.list_calls += 1
+        self.answered.set()
+        self.answered = asyncio.Event()
+        found = [self.jobs[i] for i in sorted(set(request.job_ids), reverse=True) if i in self.jobs]
+        return job_service_pb2.ListJobsResponse(jobs=found)
 
     async def CancelJobs(self, request: Any, context: Any) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not in this fake")

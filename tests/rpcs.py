@@ -50,10 +50,10 @@ REQUESTS: dict[str, message.Message] = {
         job_id=1, controller=True
     ),
     "/managedjobs.v1.LogService/FetchTaskLogs": log_service_pb2.FetchTaskLogsRequest(
-        job_id=1, task_id=0, cluster_name="mj-1-0"
+        job_id=1, task_id=0, cluster_name="mj-1-0", attempt=1, epoch=1
     ),
     "/managedjobs.v1.LogService/AppendControllerLogs": log_service_pb2.AppendControllerLogsRequest(
-        lines=[log_service_pb2.ControllerLogLine(job_id=1, line="matrix\n")]
+        lines=[log_service_pb2.ControllerLogLine(job_id=1, line="matrix\n", epoch=1)]
     ),
     "/managedjobs.simcloud.v1.SimCloudService/Launch": spb.LaunchRequest(
         cluster_name="matrix", job_id=1, epoch=1

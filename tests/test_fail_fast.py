@@ -131,3 +131,31 @@ def test_make_up_with_an_unknown_backend_is_one_line(tmp_path: Path) -> None:
     assert run.stderr.strip().splitlines() == [
         "stack: error: MJ_BACKEND='bogus': choose one of local, sim, ssh"
     ]
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--metrics-port", "HELD"], "cannot serve metrics on 127.0.0.1:HELD (--metrics-port)"),
+        (["--backend", "ssh", "--ssh-node-pools", "/nonexistent/pools.yaml"], "pools.yaml"),
+    ],
+    ids=["metrics-port-taken", "bad-backend-setting"],
+)
+def test_the_logs_service_refuses_a_setting_it_cannot_use_in_one_line(
+    tmp_path: Path, held_port: int, flags: list[str], said: str
+) -> None:
+    flags = [f.replace("HELD", str(held_port)) for f in flags]
+    run = subprocess.run(
+        [sys.executable, "-m", "services.logs.main", "--port", "0", "--auth", "none"]
+        + ["--data-dir", str(tmp_path), *flags],
+        cwd=ROOT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if not line.startswith("{")]
+    assert len(errors) == 1 and errors[0].startswith("mj-logs"), run.stderr
+    assert said.replace("HELD", str(held_port)) in errors[0]
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr

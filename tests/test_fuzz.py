@@ -15,7 +15,7 @@ A refused request stores nothing: around each call of a method that writes, the
 state it would write (the jobs and their cancel flags, the cloud's inventory and
 regions, the logs service's files) is read before and after, and must not change
 when the call failed. At the end every server is SERVING and no service logged an
-error or a traceback (but for `KNOWN` ones, reported to their owners).
+error or a traceback.
 
 Bounded: `EXAMPLES` examples per RPC and `BUDGET` seconds for each, so the file
 takes well under a minute; the `ci` profile (tests/conftest.py) derandomizes.
@@ -28,7 +28,6 @@ import dataclasses
 import logging
 from pathlib import Path
 
-import grpc
 import pytest
 from fuzz_system import fuzzing_system, health
 from fuzzing import attempts, explore
@@ -42,10 +41,6 @@ EXAMPLES = 40
 BUDGET = 2.0
 # Answers of the edge, before any handler ran.
 EDGE_REASONS = {"REQUEST_UNDECODABLE", "ROLE_FORBIDDEN", "TOKEN_UNKNOWN", "TOKEN_MISSING"}
-# Logged tracebacks known and reported, allowed here until fixed; nothing else is. The
-# logs service's handlers are being changed by their owners: a ReadLogs follow of a job
-# the scheduler does not know logs the scheduler's NOT_FOUND with a traceback.
-KNOWN = {("services.logs.tracker", "job watch failed", grpc.StatusCode.NOT_FOUND)}
 
 
 @pytest.fixture(scope="module")
@@ -54,15 +49,12 @@ def ids(tmp_path_factory: pytest.TempPathFactory) -> Identities:
 
 
 def logged_errors(records: list[logging.LogRecord]) -> list[str]:
-    """Records that are errors or carry a traceback, but for `KNOWN` ones."""
+    """Records that are errors or carry a traceback."""
     found = []
     for record in records:
         if record.levelno < logging.ERROR and not record.exc_info:
             continue
         error = record.exc_info[1] if record.exc_info else None
-        code = error.code() if isinstance(error, grpc.aio.AioRpcError) else None
-        if (record.name, record.getMessage(), code) in KNOWN:
-            continue
         found.append(f"{record.name}: {record.getMessage()[:200]} {error!r:.300}")
     return found
 

@@ -154,18 +154,18 @@ async def test_a_batch_stores_the_lines_of_held_jobs_and_names_the_others(
 async def test_holds_are_cached_briefly_and_a_move_is_seen(system: System, clock: Clock) -> None:
     jobs = system.scheduler
     await append(system, *(Line(job_id=1, epoch=3, line=f"{i}") for i in range(50)))
-    asked = jobs.get_calls
+    asked = jobs.questions
     for i in range(5):
         await append(system, Line(job_id=1, epoch=3, line=f"again {i}"))
-    assert jobs.get_calls == asked  # one question for many lines and calls
+    assert jobs.questions == asked  # one question for many lines and calls
 
     # The job's lease ran out and it came back to this replica at epoch 4.
     jobs.jobs[1].epoch = 4
     assert (await append(system, Line(job_id=1, epoch=4, line="resumed"))).lines_stored == 1
-    assert jobs.get_calls == asked + 1  # a newer epoch is checked at once
+    assert jobs.questions == asked + 1  # a newer epoch is checked at once
     error = await refused(append(system, Line(job_id=1, epoch=3, line="stale")))
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED
-    assert jobs.get_calls == asked + 1  # an older epoch than known needs no question
+    assert jobs.questions == asked + 1  # an older epoch than known needs no question
 
     # Moved to another replica: the cached hold lasts at most the cache's life.
     jobs.jobs[1].controller_id = "controller-2"
@@ -176,6 +176,16 @@ async def test_holds_are_cached_briefly_and_a_move_is_seen(system: System, clock
     assert "controller-2" in (error.details() or "")
     log = (job_folder(system, 1) / "controller.log").read_text()
     assert "resumed" in log and "stale" not in log and "too late" not in log
+
+
+async def test_a_batch_over_many_jobs_asks_the_scheduler_once(system: System) -> None:
+    jobs = system.scheduler
+    for job_id in range(10, 310):
+        jobs.add(job_id, controller_id="controller-1", epoch=1)
+    asked = jobs.questions
+    reply = await append(system, *(Line(job_id=j, epoch=1, line="up") for j in range(10, 310)))
+    assert reply.lines_stored == 300 and not reply.refused
+    assert jobs.questions == asked + 1  # one ListJobs for the 300 jobs, no GetJob each
 
 
 async def test_a_user_cannot_call_the_replicas_rpcs(tmp_path: Path, ids: Identities) -> None:

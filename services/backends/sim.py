@@ -52,7 +52,6 @@ from typing import Any
 
 import grpc
 from google.protobuf import timestamp_pb2
-from google.rpc import error_details_pb2, status_pb2
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
@@ -72,6 +71,7 @@ from services.backends.base import (
     TaskStatus,
 )
 from services.common.channels import ClientSecurity, open_channel
+from services.common.errors import error_info
 from services.simcloud.bounds import NAME_RE
 
 _CLUSTER_STATUS = {
@@ -92,19 +92,6 @@ _PRECHECK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITI
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Clusters per GetClusters call (the cloud's limit).
 GET_CLUSTERS_BATCH = 1000
-
-
-def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
-    """The google.rpc ErrorInfo carried by a failed call (empty if none)."""
-    for key, value in exc.trailing_metadata() or ():
-        if key != "grpc-status-details-bin" or not isinstance(value, bytes):
-            continue
-        status = status_pb2.Status.FromString(value)
-        for detail in status.details:
-            info = error_details_pb2.ErrorInfo()
-            if detail.Unpack(info):
-                return info
-    return error_details_pb2.ErrorInfo()
 
 
 def error_metadata(exc: grpc.aio.AioRpcError) -> dict[str, str]:

@@ -57,7 +57,7 @@ POLICY: Mapping[str, Rule] = {
         SubmitJob=_rule(USER, ADMIN, mutating=True),
         SubmitJobs=_rule(USER, ADMIN, mutating=True),
         GetJob=_rule(USER, ADMIN, SERVICE),
-        ListJobs=_rule(USER, ADMIN),
+        ListJobs=_rule(USER, ADMIN, SERVICE),
         CancelJobs=_rule(USER, ADMIN, mutating=True),
         WatchJobs=_rule(USER, ADMIN, SERVICE),
     ),

@@ -231,3 +231,16 @@ def rpc_errors(handler: F) -> F:
             await unexpected(context, handler.__qualname__, exc)
 
     return cast(F, unary)
+
+
+def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:
+    """The google.rpc ErrorInfo carried by a failed call (empty if none)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key != "grpc-status-details-bin" or not isinstance(value, bytes):
+            continue
+        status = status_pb2.Status.FromString(value)
+        for detail in status.details:
+            info = error_details_pb2.ErrorInfo()
+            if detail.Unpack(info):
+                return info
+    return error_details_pb2.ErrorInfo()

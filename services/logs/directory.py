@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import grpc
 
 from managedjobs.v1 import job_pb2, job_service_pb2, job_service_pb2_grpc
 from services.common.channels import ClientSecurity, open_channel
-from services.common.errors import Unavailable
+from services.common.errors import Unavailable, error_info
 from services.common.statuses import ACTIVE, TERMINAL, JobStatus
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 __all__ = ["ACTIVE", "TERMINAL", "JobDirectory", "job_over", "task_status"]
 
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Job ids per ListJobs call (the scheduler's bound on a request's ids).
+MAX_JOB_IDS = 1000
 
 
 def task_status(task: job_pb2.Task) -> JobStatus | None:
@@ -77,25 +79,65 @@ class JobDirectory:
             raise
         return response.job
 
+    async def get_jobs(self, job_ids: Sequence[int]) -> dict[int, job_pb2.Job]:
+        """The snapshots of those of `job_ids` the scheduler knows, in one ListJobs call
+        per `MAX_JOB_IDS` of them.
+
+        Raises:
+            Unavailable: the scheduler cannot be reached.
+        """
+        found: dict[int, job_pb2.Job] = {}
+        ids = list(dict.fromkeys(job_ids))
+        for start in range(0, len(ids), MAX_JOB_IDS):
+            chunk = ids[start : start + MAX_JOB_IDS]
+            request = job_service_pb2.ListJobsRequest(job_ids=chunk, page_size=len(chunk))
+            try:
+                response = await self._stub.ListJobs(request, timeout=self._timeout)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _UNREACHABLE:
+                    raise Unavailable(f"scheduler unreachable: {exc.details()}") from exc
+                raise
+            found.update((job.job_id, job) for job in response.jobs)
+        return found
+
     async def watch(self, job_id: int) -> AsyncIterator[job_pb2.JobEvent]:
         """Every event of the job, from its first, reconnecting while the scheduler is away.
 
         After a reconnect the stream resumes after the last event seen, so no event
-        is lost or repeated. Never ends on its own; the caller stops iterating.
+        is lost or repeated; a watch cut off for falling behind resumes where the
+        scheduler says, and one resumed past the newest event (a replaced database)
+        starts again from the first. Never ends on its own; the caller stops iterating.
+
+        Raises:
+            grpc.aio.AioRpcError: any other refusal, e.g. NOT_FOUND for a job the
+                scheduler does not know.
         """
         after = 0
         failures = 0
         while True:
             request = job_service_pb2.WatchJobsRequest(job_ids=[job_id], after_event_id=after)
+            call = self._stub.WatchJobs(request)
             try:
-                async for response in self._stub.WatchJobs(request):
+                async for response in call:
                     failures = 0
                     after = max(after, response.event.event_id)
                     yield response.event
             except grpc.aio.AioRpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                code = exc.code()
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    resume = error_info(exc).metadata.get("resume_after_event_id", "")
+                    if not resume.isdigit():
+                        raise
+                    after = int(resume)  # fell behind: resume where nothing is lost
+                elif code == grpc.StatusCode.OUT_OF_RANGE:
+                    after = 0  # past the newest event: the events were replaced
+                elif code != grpc.StatusCode.UNAVAILABLE:
                     raise
                 log.info("job watch interrupted", extra={"job_id": job_id, "error": exc.details()})
+            finally:
+                # At once, not when the call is collected: the scheduler holds a
+                # subscription for as long as the call lives.
+                call.cancel()
             # The stream ended or the scheduler went away: back off, then resume.
             await self._sleep(min(self._max_backoff, 0.1 * 2**failures))
             failures = min(failures + 1, 16)

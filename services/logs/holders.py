@@ -15,8 +15,8 @@ one GetJob per job per batch, so its answers are kept for a short while:
 So a replica that lost a job can go on appending for at most `ttl` seconds after the
 move, and only until the job's new holder first calls. Jobs that do not exist are
 never remembered (a later submission may create them). The cache is bounded
-(least recently used answers go first), and lookups of many jobs run concurrently,
-at most `concurrency` at a time.
+(least recently used answers go first), and the jobs a batch of claims must ask
+about are asked about together: one ListJobs call per 1,000 jobs.
 
 Under `--auth none` every caller is an anonymous admin and only the existence of the
 job is checked.
@@ -96,14 +96,11 @@ class Holders:
                 its token or certificate is not a controller's (CONTROLLER_MISMATCH).
             Unavailable: the scheduler cannot be reached.
         """
-        known = self._known.get(job_id)
-        if known is not None:
-            self._known.move_to_end(job_id)
-            fresh = self._clock() - known.seen < self._ttl
-            if fresh and self._judge(principal, job_id, epoch, known) is None:
-                return known
-            if _claims(principal) and known.epoch > epoch:
-                raise not_held(job_id, epoch, known)
+        cached = self._from_cache(principal, job_id, epoch)
+        if isinstance(cached, Holding):
+            return cached
+        if cached is not None:
+            raise cached
         holding = await self._ask(job_id)
         refusal = self._judge(principal, job_id, epoch, holding)
         if refusal is not None:
@@ -113,22 +110,47 @@ class Holders:
     async def check_many(
         self, principal: Principal, claims: Iterable[tuple[int, int]]
     ) -> dict[tuple[int, int], ApiError | None]:
-        """Each (job_id, epoch) claim's refusal, or None when it holds; concurrently.
+        """Each (job_id, epoch) claim's refusal, or None when it holds; the claims the
+        cache cannot judge are asked about in one go.
 
         Raises:
             Unavailable: the scheduler cannot be reached.
         """
         wanted = list(dict.fromkeys(claims))
+        answers: dict[tuple[int, int], ApiError | None] = {}
+        unsure: list[tuple[int, int]] = []
+        for job_id, epoch in wanted:
+            cached = self._from_cache(principal, job_id, epoch)
+            if cached is None:
+                unsure.append((job_id, epoch))
+            else:
+                answers[(job_id, epoch)] = None if isinstance(cached, Holding) else cached
+        if unsure:
+            holdings = await self._ask_many([job_id for job_id, _ in unsure])
+            for job_id, epoch in unsure:
+                holding = holdings.get(job_id)
+                answers[(job_id, epoch)] = (
+                    not_found(job_id)
+                    if holding is None
+                    else self._judge(principal, job_id, epoch, holding)
+                )
+        return {claim: answers[claim] for claim in wanted}
 
-        async def one(job_id: int, epoch: int) -> ApiError | None:
-            try:
-                await self.check(principal, job_id, epoch)
-            except (NotFound, PermissionDenied) as refusal:
-                return refusal
+    def _from_cache(
+        self, principal: Principal, job_id: int, epoch: int
+    ) -> Holding | PermissionDenied | None:
+        """Judges a claim by the cache alone: the fresh answer that accepts it, the
+        refusal of an epoch older than the one last seen, or None: ask the scheduler."""
+        known = self._known.get(job_id)
+        if known is None:
             return None
-
-        answers = await asyncio.gather(*(one(job_id, epoch) for job_id, epoch in wanted))
-        return dict(zip(wanted, answers, strict=True))
+        self._known.move_to_end(job_id)
+        fresh = self._clock() - known.seen < self._ttl
+        if fresh and self._judge(principal, job_id, epoch, known) is None:
+            return known
+        if _claims(principal) and known.epoch > epoch:
+            return not_held(job_id, epoch, known)
+        return None
 
     def _judge(
         self, principal: Principal, job_id: int, epoch: int, holding: Holding
@@ -149,9 +171,21 @@ class Holders:
         if job is None:
             self._known.pop(job_id, None)
             raise not_found(job_id)
+        return self._remember(job)
+
+    async def _ask_many(self, job_ids: list[int]) -> dict[int, Holding]:
+        """What the scheduler says of each of `job_ids` it knows, asked all at once."""
+        async with self._limit:
+            jobs = await self._directory.get_jobs(job_ids)
+        for job_id in job_ids:
+            if job_id not in jobs:
+                self._known.pop(job_id, None)
+        return {job_id: self._remember(job) for job_id, job in jobs.items()}
+
+    def _remember(self, job: job_pb2.Job) -> Holding:
         holding = Holding.of(job, self._clock())
-        self._known[job_id] = holding
-        self._known.move_to_end(job_id)
+        self._known[job.job_id] = holding
+        self._known.move_to_end(job.job_id)
         while len(self._known) > self._max_entries:
             self._known.popitem(last=False)
         return holding

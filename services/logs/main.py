@@ -30,6 +30,7 @@ from services.common.settings import (
     SERVER_SECURITY,
     SHUTDOWN_GRACE,
     Setting,
+    SettingError,
     parse,
 )
 from services.common.tls import TlsConfigError
@@ -90,7 +91,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 async def serve(args: argparse.Namespace, security: ServerSecurity, client: ClientSecurity) -> None:
     """Serves with the parsed settings; returns after a drained shutdown."""
     data_dir = Path(args.data_dir)
-    backend = make_backend(args.backend, vars(args))
+    # First: a taken metrics port or a bad backend setting stops the service, with one
+    # line, before it opened anything.
+    serve_metrics(args.metrics_port, args.host)
+    try:
+        backend = make_backend(args.backend, vars(args))
+    except ValueError as exc:  # a backend setting it cannot run with, named
+        raise SettingError(str(exc)) from None
     directory = JobDirectory(args.scheduler_address, client)
     holders = Holders(directory, ttl=args.holder_cache_seconds)
     servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend, holders=holders)
@@ -98,7 +105,6 @@ async def serve(args: argparse.Namespace, security: ServerSecurity, client: Clie
     server.add(log_service_pb2_grpc.add_LogServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
         port = await server.start()
-        serve_metrics(args.metrics_port, args.host)
         log.info("serving", extra={"port": port, "scheduler": args.scheduler_address})
         await run_until_signal(server, args.shutdown_grace, drain=servicer.drain)
     finally:

@@ -21,6 +21,8 @@ import asyncio
 import logging
 from typing import Any
 
+import grpc
+
 from managedjobs.v1 import job_pb2
 from services.common.errors import Unavailable
 from services.logs.directory import JobDirectory, job_over
@@ -116,6 +118,13 @@ class JobTracker:
                 self._dirty.set()
         except asyncio.CancelledError:
             raise
+        except grpc.aio.AioRpcError as refused:
+            # The scheduler refused the watch (a job it does not know, or not the
+            # caller's): the snapshot says so to the follower; nothing to report here.
+            log.info(
+                "job watch refused",
+                extra={"job_id": self.job_id, "code": refused.code().name},
+            )
         except Exception:
             # Followers keep going on the resync interval.
             log.warning("job watch failed", extra={"job_id": self.job_id}, exc_info=True)

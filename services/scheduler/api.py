@@ -302,6 +302,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             name=request.name,
             limit=size + 1,
             before_id=_parse_page_token(request.page_token),
+            job_ids=_job_ids(request.job_ids),
         )
         token = _page_token(jobs[size - 1].job_id) if len(jobs) > size else ""
         return pb.ListJobsResponse(jobs=jobs[:size], next_page_token=token)

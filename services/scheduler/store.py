@@ -378,9 +378,12 @@ class Store:
         name: str = "",
         limit: int = 100,
         before_id: int = 0,
+        job_ids: Sequence[int] = (),
     ) -> list[job_pb2.Job]:
-        """Newest first; `before_id` continues a page."""
+        """Newest first; `before_id` continues a page; `job_ids`, when given, filters."""
         query = select(JOBS).order_by(JobRow.id.desc()).limit(limit)
+        if job_ids:
+            query = query.where(JobRow.id.in_(list(job_ids)))
         statuses = list(statuses)
         if statuses:
             query = query.where(JobRow.status.in_(statuses))

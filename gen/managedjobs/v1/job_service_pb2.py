@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from managedjobs.v1 import job_pb2 as managedjobs_dot_v1_dot_job__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n managedjobs/v1/job_service.proto\x12\x0emanagedjobs.v1\x1a\x18managedjobs/v1/job.proto\"\xd1\x02\n\x10SubmitJobRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x38\n\x04\x65nvs\x18\x05 \x03(\x0b\x32*.managedjobs.v1.SubmitJobRequest.EnvsEntry\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12>\n\x07secrets\x18\x08 \x03(\x0b\x32-.managedjobs.v1.SubmitJobRequest.SecretsEntry\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x11SubmitJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\"C\n\x11SubmitJobsRequest\x12.\n\x04jobs\x18\x01 \x03(\x0b\x32 .managedjobs.v1.SubmitJobRequest\"%\n\x12SubmitJobsResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\x03\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\"2\n\x0eGetJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.managedjobs.v1.Job\"\x81\x01\n\x0fListJobsRequest\x12+\n\x08statuses\x18\x01 \x03(\x0e\x32\x19.managedjobs.v1.JobStatus\x12\x0c\n\x04user\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\t\"N\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.managedjobs.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"M\n\x11\x43\x61ncelJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\x0c\n\x04user\x18\x04 \x01(\t\"/\n\x12\x43\x61ncelJobsResponse\x12\x19\n\x11\x63\x61ncelled_job_ids\x18\x01 \x03(\x03\";\n\x10WatchJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\x03\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03\"<\n\x11WatchJobsResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x18.managedjobs.v1.JobEvent2\xf4\x03\n\nJobService\x12P\n\tSubmitJob\x12 .managedjobs.v1.SubmitJobRequest\x1a!.managedjobs.v1.SubmitJobResponse\x12S\n\nSubmitJobs\x12!.managedjobs.v1.SubmitJobsRequest\x1a\".managedjobs.v1.SubmitJobsResponse\x12G\n\x06GetJob\x12\x1d.managedjobs.v1.GetJobRequest\x1a\x1e.managedjobs.v1.GetJobResponse\x12M\n\x08ListJobs\x12\x1f.managedjobs.v1.ListJobsRequest\x1a .managedjobs.v1.ListJobsResponse\x12S\n\nCancelJobs\x12!.managedjobs.v1.CancelJobsRequest\x1a\".managedjobs.v1.CancelJobsResponse\x12R\n\tWatchJobs\x12 .managedjobs.v1.WatchJobsRequest\x1a!.managedjobs.v1.WatchJobsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n managedjobs/v1/job_service.proto\x12\x0emanagedjobs.v1\x1a\x18managedjobs/v1/job.proto\"\xd1\x02\n\x10SubmitJobRequest\x12\x11\n\tspec_yaml\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x10\n\x08priority\x18\x03 \x01(\x05\x12\x0c\n\x04pool\x18\x04 \x01(\t\x12\x38\n\x04\x65nvs\x18\x05 \x03(\x0b\x32*.managedjobs.v1.SubmitJobRequest.EnvsEntry\x12\x0c\n\x04user\x18\x06 \x01(\t\x12\x17\n\x0fidempotency_key\x18\x07 \x01(\t\x12>\n\x07secrets\x18\x08 \x03(\x0b\x32-.managedjobs.v1.SubmitJobRequest.SecretsEntry\x1a+\n\tEnvsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a.\n\x0cSecretsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"#\n\x11SubmitJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\"C\n\x11SubmitJobsRequest\x12.\n\x04jobs\x18\x01 \x03(\x0b\x32 .managedjobs.v1.SubmitJobRequest\"%\n\x12SubmitJobsResponse\x12\x0f\n\x07job_ids\x18\x01 \x03(\x03\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\"2\n\x0eGetJobResponse\x12 \n\x03job\x18\x01 \x01(\x0b\x32\x13.managedjobs.v1.Job\"\x92\x01\n\x0fListJobsRequest\x12+\n\x08statuses\x18\x01 \x03(\x0e\x32\x19.managedjobs.v1.JobStatus\x12\x0c\n\x04user\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\x05\x12\x12\n\npage_token\x18\x05 \x01(\t\x12\x0f\n\x07job_ids\x18\x06 \x03(\x03\"N\n\x10ListJobsResponse\x12!\n\x04jobs\x18\x01 \x03(\x0b\x32\x13.managedjobs.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"M\n\x11\x43\x61ncelJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\x03\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0b\n\x03\x61ll\x18\x03 \x01(\x08\x12\x0c\n\x04user\x18\x04 \x01(\t\"/\n\x12\x43\x61ncelJobsResponse\x12\x19\n\x11\x63\x61ncelled_job_ids\x18\x01 \x03(\x03\";\n\x10WatchJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\x03\x12\x16\n\x0e\x61\x66ter_event_id\x18\x02 \x01(\x03\"<\n\x11WatchJobsResponse\x12\'\n\x05\x65vent\x18\x01 \x01(\x0b\x32\x18.managedjobs.v1.JobEvent2\xf4\x03\n\nJobService\x12P\n\tSubmitJob\x12 .managedjobs.v1.SubmitJobRequest\x1a!.managedjobs.v1.SubmitJobResponse\x12S\n\nSubmitJobs\x12!.managedjobs.v1.SubmitJobsRequest\x1a\".managedjobs.v1.SubmitJobsResponse\x12G\n\x06GetJob\x12\x1d.managedjobs.v1.GetJobRequest\x1a\x1e.managedjobs.v1.GetJobResponse\x12M\n\x08ListJobs\x12\x1f.managedjobs.v1.ListJobsRequest\x1a .managedjobs.v1.ListJobsResponse\x12S\n\nCancelJobs\x12!.managedjobs.v1.CancelJobsRequest\x1a\".managedjobs.v1.CancelJobsResponse\x12R\n\tWatchJobs\x12 .managedjobs.v1.WatchJobsRequest\x1a!.managedjobs.v1.WatchJobsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -53,17 +53,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETJOBRESPONSE']._serialized_start=596
   _globals['_GETJOBRESPONSE']._serialized_end=646
   _globals['_LISTJOBSREQUEST']._serialized_start=649
-  _globals['_LISTJOBSREQUEST']._serialized_end=778
-  _globals['_LISTJOBSRESPONSE']._serialized_start=780
-  _globals['_LISTJOBSRESPONSE']._serialized_end=858
-  _globals['_CANCELJOBSREQUEST']._serialized_start=860
-  _globals['_CANCELJOBSREQUEST']._serialized_end=937
-  _globals['_CANCELJOBSRESPONSE']._serialized_start=939
-  _globals['_CANCELJOBSRESPONSE']._serialized_end=986
-  _globals['_WATCHJOBSREQUEST']._serialized_start=988
-  _globals['_WATCHJOBSREQUEST']._serialized_end=1047
-  _globals['_WATCHJOBSRESPONSE']._serialized_start=1049
-  _globals['_WATCHJOBSRESPONSE']._serialized_end=1109
-  _globals['_JOBSERVICE']._serialized_start=1112
-  _globals['_JOBSERVICE']._serialized_end=1612
+  _globals['_LISTJOBSREQUEST']._serialized_end=795
+  _globals['_LISTJOBSRESPONSE']._serialized_start=797
+  _globals['_LISTJOBSRESPONSE']._serialized_end=875
+  _globals['_CANCELJOBSREQUEST']._serialized_start=877
+  _globals['_CANCELJOBSREQUEST']._serialized_end=954
+  _globals['_CANCELJOBSRESPONSE']._serialized_start=956
+  _globals['_CANCELJOBSRESPONSE']._serialized_end=1003
+  _globals['_WATCHJOBSREQUEST']._serialized_start=1005
+  _globals['_WATCHJOBSREQUEST']._serialized_end=1064
+  _globals['_WATCHJOBSRESPONSE']._serialized_start=1066
+  _globals['_WATCHJOBSRESPONSE']._serialized_end=1126
+  _globals['_JOBSERVICE']._serialized_start=1129
+  _globals['_JOBSERVICE']._serialized_end=1629
 # @@protoc_insertion_point(module_scope)

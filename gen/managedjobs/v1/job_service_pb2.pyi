@@ -219,12 +219,19 @@ class ListJobsRequest(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    JOB_IDS_FIELD_NUMBER: _builtins.int
     user: _builtins.str
     name: _builtins.str
     page_size: _builtins.int
     page_token: _builtins.str
     @_builtins.property
     def statuses(self) -> _containers.RepeatedScalarFieldContainer[_job_pb2.JobStatus.ValueType]: ...
+    @_builtins.property
+    def job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Only these jobs (at most 1,000, each positive); empty: any. Jobs that do not exist
+        (or that the caller may not see) are left out.
+        """
+
     def __init__(
         self,
         *,
@@ -233,10 +240,11 @@ class ListJobsRequest(_message.Message):
         name: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        job_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "page_size", b"page_size", "page_token", b"page_token", "statuses", b"statuses", "user", b"user"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_ids", b"job_ids", "name", b"name", "page_size", b"page_size", "page_token", b"page_token", "statuses", b"statuses", "user", b"user"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -41,6 +41,7 @@ class JobServiceStub:
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]
+    """Newest first, a page at a time; filtered by status, user, name and job ids."""
     CancelJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobsRequest, _job_service_pb2.CancelJobsResponse]
     """Cancels by ids, by name, or all of a user's jobs. Idempotent."""
     WatchJobs: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]
@@ -59,6 +60,7 @@ class JobServiceAsyncStub(JobServiceStub):
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]  # type: ignore[assignment]
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]  # type: ignore[assignment]
+    """Newest first, a page at a time; filtered by status, user, name and job ids."""
     CancelJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobsRequest, _job_service_pb2.CancelJobsResponse]  # type: ignore[assignment]
     """Cancels by ids, by name, or all of a user's jobs. Idempotent."""
     WatchJobs: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]  # type: ignore[assignment]
@@ -97,7 +99,8 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _job_service_pb2.ListJobsRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_job_service_pb2.ListJobsResponse, _abc.Awaitable[_job_service_pb2.ListJobsResponse]]: ...
+    ) -> _typing.Union[_job_service_pb2.ListJobsResponse, _abc.Awaitable[_job_service_pb2.ListJobsResponse]]:
+        """Newest first, a page at a time; filtered by status, user, name and job ids."""
 
     @_abc_1.abstractmethod
     def CancelJobs(
