@@ -546,8 +546,24 @@ def test_launch_follows_the_logs_then_reports_success(
     assert request.spec_yaml == spec.read_text()
     assert dict(request.envs) == {"A": "1", "B": "x=y"}
     assert (request.user, request.priority) == ("alice", 5)
+    assert dict(request.secrets) == {}
     assert ("authorization", "Bearer s3cret") in jobs.metadata[0]
     assert logs.requests[0].follow and logs.requests[0].job_id == 1
+
+
+def test_launch_sends_secrets_from_the_command_line_or_the_environment(
+    services: tuple[str, FakeJobs, FakeLogs],
+    spec: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsysbinary: pytest.CaptureFixture[bytes],
+) -> None:
+    address, jobs, _ = services
+    monkeypatch.setenv("HF_TOKEN", "hf-from-env")
+    assert mj(address, "launch", str(spec), "--secret", "API_KEY=k=1", "--secret", "HF_TOKEN") == 0
+    assert dict(jobs.submitted[0].secrets) == {"API_KEY": "k=1", "HF_TOKEN": "hf-from-env"}
+    assert b"hf-from-env" not in capsysbinary.readouterr().out
+    monkeypatch.delenv("HF_TOKEN")
+    assert mj(address, "launch", str(spec), "--secret", "HF_TOKEN") == 2
 
 
 def test_launch_of_a_failing_job_exits_1_with_the_reason(

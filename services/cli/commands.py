@@ -69,6 +69,7 @@ def launch(client: Client, args: argparse.Namespace) -> int:
             name=args.name or "",
             priority=args.priority,
             envs=dict(args.env),
+            secrets=dict(args.secret),
             user=args.user,
             # A key of its own makes retrying the submission safe.
             idempotency_key=f"{key}-{index}" if several else key,

@@ -91,6 +91,19 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _secret_pair(text: str) -> tuple[str, str]:
+    """KEY=VALUE, or KEY alone: the value of KEY in mj's own environment (so it never
+    shows in a shell's history or the process list)."""
+    key, sep, value = text.partition("=")
+    if not key:
+        raise argparse.ArgumentTypeError(f"expected KEY or KEY=VALUE, got {text!r}")
+    if not sep:
+        if key not in os.environ:
+            raise argparse.ArgumentTypeError(f"{key} is not set in the environment")
+        value = os.environ[key]
+    return key, value
+
+
 def _status(text: str) -> job_pb2.JobStatus.ValueType:
     names = [name.removeprefix("JOB_STATUS_") for name in job_pb2.JobStatus.keys()[1:]]
     name = text.strip().upper().removeprefix("JOB_STATUS_")
@@ -206,6 +219,15 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="environment variable for every task (repeatable)",
+    )
+    launch.add_argument(
+        "--secret",
+        type=_secret_pair,
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="secret for every task, never shown or logged; KEY alone takes the value of "
+        "KEY in this environment (repeatable)",
     )
     launch.add_argument("--detach", action="store_true", help="print the job id and return")
     launch.add_argument(

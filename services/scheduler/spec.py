@@ -35,7 +35,8 @@ Accepted task fields (anything else is an error; a null value means "not set")::
         # on_demand_after_preemptions: 3     # >= 1; then relaunch on on-demand capacity
         # unreachable_timeout: 10m           # unset: the backend's default
     sim: {runtime_seconds: 30}   # product extension for the sim backend; also setup_seconds,
-                                 # exit_code, setup_exit_code, log_lines, preempt_after_seconds
+                                 # exit_code, exit_code_runs, setup_exit_code, log_lines,
+                                 # preempt_after_seconds
 
 Values:
 - ``cpus``, ``memory`` and durations have at most nine digits either side of the
