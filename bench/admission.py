@@ -1,16 +1,21 @@
 """Admission throughput and latency through gRPC, on SQLite and on PostgreSQL.
 
-Starts `mj-scheduler` as a process, with security on as in production (bearer
-tokens on every call: a controller token for the replica, an admin's for the
-submitters), connects one benchmark replica over
+Starts `mj-scheduler` as a process, once per security mode: `none` (no
+authentication, plaintext), `tokens` (bearer tokens on every call: a controller
+token for the replica, an admin's for the submitters, as `make up` runs) and
+`tls` (tokens, TLS and mTLS, as docker-compose runs); connects one benchmark
+replica over
 ConnectController (a real stream client with ample capacity that records when
 each assignment arrives), then measures:
 - sustained submissions per second over N jobs from concurrent clients;
 - submit -> launch-granted latency (the assignment reaching the replica) p50/p99,
   submitting one job at a time with spare capacity.
-Prints one JSON line per database. Targets (SPEC §15): >= 2,000/s, p99 <= 50 ms.
+Prints one JSON line per database and mode, the secured modes with their
+throughput relative to `none` (`cost_vs_none`, SPEC §14: under 10%). Targets
+(SPEC §15): >= 2,000/s, p99 <= 50 ms.
 
     .venv/bin/python bench/admission.py [--jobs 5000] [--latency-jobs 300] [--postgres URL]
+        [--only sqlite|postgres] [--modes none,tokens,tls]
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ from managedjobs.v1 import (
 )
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.auth import Role, add_token
+from services.common.certs import make_certificates
 from services.common.channels import ClientSecurity, open_channel
+from services.common.tls import ClientTls
 from services.stack import free_port, wait_serving
 
 SPEC = "name: bench\nrun: echo hi\n"
@@ -137,27 +144,50 @@ async def measure(
     }
 
 
-def bench_tokens(data_dir: str) -> dict[str, ClientSecurity]:
-    """The tokens file in the data dir: an admin and the bench replica's controller."""
+def bench_security(data_dir: str, mode: str) -> tuple[dict[str, ClientSecurity], list[str]]:
+    """The callers' security in `mode` (an admin and the bench replica's controller), and
+    the scheduler's flags for it."""
+    if mode == "none":
+        return {"admin": ClientSecurity(), "controller": ClientSecurity()}, ["--auth", "none"]
     path = Path(data_dir) / "tokens.yaml"
+    admin = add_token(path, "bench", Role.ADMIN)
+    controller = add_token(path, "bench-replica", Role.CONTROLLER, "bench-replica")
+    flags = ["--tokens-file", str(path)]
+    if mode == "tokens":
+        return {
+            "admin": ClientSecurity.of(admin),
+            "controller": ClientSecurity.of(controller),
+        }, flags
+    tls = Path(data_dir) / "tls"
+    ca = make_certificates(
+        tls, hosts=["scheduler"], controllers=["bench-replica"], clients=["admin"],
+        extra_names=["localhost", "127.0.0.1"],
+    )  # fmt: skip
+
+    def client(name: str) -> ClientTls | None:
+        return ClientTls.from_files(str(ca), str(tls / f"{name}.pem"), str(tls / f"{name}.key"))
+
+    flags += ["--tls-cert", str(tls / "scheduler.pem"), "--tls-key", str(tls / "scheduler.key"),
+              "--tls-client-ca", str(ca)]  # fmt: skip
     return {
-        "admin": ClientSecurity.of(add_token(path, "bench", Role.ADMIN)),
-        "controller": ClientSecurity.of(
-            add_token(path, "bench-replica", Role.CONTROLLER, "bench-replica")
-        ),
-    }
+        "admin": ClientSecurity.of(admin, client("admin")),
+        "controller": ClientSecurity.of(controller, client("bench-replica")),
+    }, flags
 
 
-def run_scheduler(database_url: str, data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+def run_scheduler(
+    database_url: str, data_dir: str, flags: list[str], probe: ClientSecurity
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     with (Path(data_dir) / "scheduler.log").open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "services.scheduler.main", "--port", str(port),
-             "--data-dir", data_dir, "--database-url", database_url, "--log-level", "WARNING"],
+             "--data-dir", data_dir, "--database-url", database_url, "--log-level", "WARNING",
+             *flags],
             stdout=subprocess.DEVNULL, stderr=log,
         )  # fmt: skip
     address = f"127.0.0.1:{port}"
-    wait_serving(address, 60)
+    wait_serving(address, 60, security=probe)
     return process, address
 
 
@@ -182,26 +212,40 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
     parser.add_argument("--only", choices=["sqlite", "postgres"])
+    parser.add_argument("--modes", default="none,tokens,tls", help="security modes, in order")
     args = parser.parse_args()
     for kind in ["sqlite", "postgres"]:
         if args.only and kind != args.only:
             continue
-        with tempfile.TemporaryDirectory() as data_dir:
-            if kind == "sqlite":
-                url = f"sqlite:///{data_dir}/bench.db"
-            else:
-                url, _ = postgres_database(args.postgres)
-            tokens = bench_tokens(data_dir)
-            process, address = run_scheduler(url, data_dir)
-            try:
-                figures = asyncio.run(
-                    measure(address, tokens, args.jobs, args.latency_jobs, args.concurrency)
-                )
-            finally:
-                process.terminate()
-                process.wait(30)
-        print(json.dumps({"bench": "admission", "database": kind, "jobs": args.jobs,
-                          **figures, "machine": machine()}), flush=True)  # fmt: skip
+        baseline = 0.0
+        for mode in args.modes.split(","):
+            with tempfile.TemporaryDirectory() as data_dir:
+                if kind == "sqlite":
+                    url = f"sqlite:///{data_dir}/bench.db"
+                else:
+                    url, _ = postgres_database(args.postgres)
+                callers, flags = bench_security(data_dir, mode)
+                probe = ClientSecurity(None, callers["admin"].tls)
+                process, address = run_scheduler(url, data_dir, flags, probe)
+                try:
+                    figures: dict[str, object] = dict(
+                        asyncio.run(
+                            measure(
+                                address, callers, args.jobs, args.latency_jobs, args.concurrency
+                            )
+                        )
+                    )
+                finally:
+                    process.terminate()
+                    process.wait(30)
+            rate = float(figures["submissions_per_s"])  # type: ignore[arg-type]
+            if mode == "none":
+                baseline = rate
+            elif baseline:
+                figures["cost_vs_none"] = round(1 - rate / baseline, 3)
+            print(json.dumps({"bench": "admission", "database": kind, "security": mode,
+                              "jobs": args.jobs, **figures, "machine": machine()}),
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
