@@ -300,7 +300,8 @@ def start_stack(
     scheduler_extra: Sequence[str] = (),
     controller_extra: Sequence[str] = (),
 ) -> Stack:
-    """Starts scheduler (on `database_url`), replicas, logs and the sim cloud; all serving."""
+    """Starts scheduler (on `database_url`), replicas, logs and the sim cloud; all serving,
+    secured as docker-compose runs them: tokens, TLS and mTLS between every process."""
     data_dir.mkdir(parents=True, exist_ok=True)
     config = data_dir / "simcloud.yaml"
     config.write_text(cloud_yaml)
@@ -315,6 +316,7 @@ def start_stack(
         ],
         controller_args=[*controller_args(), *controller_extra],
         simcloud_args=["--config", str(config)],
+        tls=True,
     )  # fmt: skip
     try:
         stack.start(timeout=60)

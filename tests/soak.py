@@ -141,15 +141,15 @@ def resumes(
 class SoakConfig:
     """A chaos soak. Durations are real seconds unless named simulated."""
 
-    jobs: int = 300
+    jobs: int = 150
     replicas: int = 3
     seed: int = 1
     # Kills go on for at least this long, every `kill_interval` seconds.
-    chaos_seconds: float = 125.0
+    chaos_seconds: float = 65.0
     kill_interval: tuple[float, float] = (5.0, 10.0)
     restart_delay: tuple[float, float] = (0.5, 4.5)
     # Submissions are spread evenly over this window.
-    submit_seconds: float = 105.0
+    submit_seconds: float = 50.0
     lease_ttl: float = 3.0
     heartbeat_interval: float = 0.5
     time_scale: float = 10.0

@@ -2,11 +2,13 @@
 
 Each test starts the whole system (`reliability.start_stack`: scheduler on a fresh
 PostgreSQL database, three or two controller replicas with a 3 s lease, logs,
-and a seeded three-region sim cloud) and breaks it on purpose:
+and a seeded three-region sim cloud; tokens, TLS and mTLS between them all) and
+breaks it on purpose:
 
-- a chaos soak: SIGKILL a random replica every 5-10 s for over two minutes
-  while 300 jobs run and get preempted; every job ends in exactly one terminal
-  status, no task attempt is launched twice, no cluster is left;
+- a chaos soak: SIGKILL a random replica every 5-10 s for over a minute while
+  150 jobs run and get preempted; every job ends in exactly one terminal status,
+  no task attempt is launched twice, no cluster is left (`bench/chaos.py` runs
+  the same for 1,000 jobs and five minutes);
 - SIGSTOP a replica past its lease, let its jobs move, SIGCONT it: nothing it
   says or does with its stale epochs is accepted, and the sim cloud never had to
   refuse a stale launch or terminate (the replica's own fencing stopped them);
@@ -131,8 +133,8 @@ def test_chaos_soak_kills_replicas_and_loses_nothing(tmp_path: Path, admin_url: 
         config, tmp_path / "soak", admin_url, log=lambda m: print(time.strftime("%X"), m)
     )
     print(json.dumps(report.figures))
-    assert report.figures["chaos_seconds"] >= 120
-    assert report.figures["kills"] >= 12
+    assert report.figures["chaos_seconds"] >= 60
+    assert report.figures["kills"] >= 6
     assert report.figures["jobs"] == config.jobs
     # The chaos did hit: replicas died holding jobs, spot clusters were preempted.
     assert report.figures["resume_samples"] > 0 and report.figures["preemptions"] > 0
