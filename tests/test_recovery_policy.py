@@ -8,6 +8,7 @@ the end). Durations in specs are real seconds, kept small.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -27,7 +28,7 @@ from lifecycle_harness import (
 )
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
-from services.backends import Backend
+from services.backends import Backend, TaskRequest
 from services.common.statuses import JobStatus
 from services.controller.lifecycle import cluster_name
 
@@ -267,3 +268,56 @@ def test_a_death_by_signal_matches_either_spelling() -> None:
     assert strategy.on_exit(137) == strategy.on_exit(-9) == "recover"
     assert strategy.on_exit(-2) == strategy.on_exit(130) == "fail"
     assert strategy.on_exit(3) == "" and strategy.on_exit(None) == ""
+
+
+class _FullEverywhere:
+    """A backend with no capacity anywhere (only `launch` is ever called)."""
+
+    async def launch(self, request: Any, regions: Any, blocked: Any) -> Any:
+        from services.backends import ResourcesUnavailableError
+
+        raise ResourcesUnavailableError("no spot capacity", regions_tried=[REGIONS[0]])
+
+
+class _SlotTakenAfterFirst:
+    """Grants the slot once; after that another job holds it for good."""
+
+    def __init__(self) -> None:
+        self.grants = 0
+
+    async def acquire(self, reason: str) -> None:
+        if self.grants:
+            await asyncio.Event().wait()
+        self.grants += 1
+
+    async def release(self, wait_reason: str = "") -> None:
+        return None
+
+
+async def test_launch_timeout_in_the_slot_queue_names_the_failure_that_caused_it() -> None:
+    """The timeout passes while the retry waits for the slot: the error names the capacity
+    failure that kept the task from starting, not only the queue it ended in."""
+    from services.controller.strategies import Failover, NoResources
+
+    clock = [0.0]
+
+    async def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    config = fast_config(
+        backoff_initial=0.05, backoff_max=0.05, monotonic=lambda: clock[0], sleep=sleep
+    )
+    notes: list[str] = []
+    strategy = Failover(
+        _FullEverywhere(),  # type: ignore[arg-type]
+        _SlotTakenAfterFirst(),
+        config,
+        notes.append,
+        launch_timeout=0.1,
+    )
+    request = TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="c", use_spot=True)
+    with pytest.raises(NoResources) as raised:
+        await strategy.launch(request)
+    message = str(raised.value)
+    assert message.startswith(f"launch_timeout of 0.1s exceeded: no capacity in {REGIONS[0]}")
+    assert "then waiting for a launch slot (task 0, attempt 2)" in message

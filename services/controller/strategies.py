@@ -206,8 +206,13 @@ class Strategy(abc.ABC):
         deadlines = [d for d in (self.pending, self._launch_deadline) if d is not None]
         return min(deadlines, key=lambda d: d.at) if deadlines else None
 
-    async def _acquire(self, reason: str) -> None:
-        """Takes the launch slot, waiting no longer than the nearest deadline."""
+    async def _acquire(self, reason: str, failed: str = "") -> None:
+        """Takes the launch slot, waiting no longer than the nearest deadline.
+
+        `failed` is why the previous attempt failed: when the deadline passes
+        while a retry waits for the slot, that failure is what kept the task
+        from starting and leads the error.
+        """
         deadline = self._deadline()
         if deadline is None:
             await self.slot.acquire(reason)
@@ -216,6 +221,8 @@ class Strategy(abc.ABC):
             left = max(0.0, deadline.left(self._now()))
             await asyncio.wait_for(self.slot.acquire(reason), left)
         except TimeoutError:
+            if failed:
+                raise NoResources(f"{deadline.what} exceeded: {failed}; then {reason}") from None
             raise NoResources(f"{deadline.what} exceeded while {reason}") from None
 
     def _now(self) -> float:
@@ -244,13 +251,14 @@ class Strategy(abc.ABC):
         backoff = Backoff(self.config.backoff_initial, self.config.backoff_max)
         task = request.task_id
         attempt = failures = 0
+        why = ""
         self._launch_deadline = None
         if self.launch_timeout:
             label = f"launch_timeout of {self.launch_timeout:g}s"
             self._launch_deadline = Deadline(self._now() + self.launch_timeout, label)
         while True:
             attempt += 1
-            await self._acquire(f"waiting for a launch slot (task {task}, attempt {attempt})")
+            await self._acquire(f"waiting for a launch slot (task {task}, attempt {attempt})", why)
             prefix = f"task {task}: launch attempt {attempt}" + (f" of {limit}" if limit else "")
             self.note(f"{prefix}: launching {request.cluster_name}{_where(regions, blocked)}")
             counted = True
