@@ -141,20 +141,20 @@ def resumes(
 class SoakConfig:
     """A chaos soak. Durations are real seconds unless named simulated."""
 
-    jobs: int = 150
+    jobs: int = 80
     replicas: int = 3
     seed: int = 1
     # Kills go on for at least this long, every `kill_interval` seconds.
-    chaos_seconds: float = 65.0
+    chaos_seconds: float = 30.0
     kill_interval: tuple[float, float] = (5.0, 10.0)
     restart_delay: tuple[float, float] = (0.5, 4.5)
     # Submissions are spread evenly over this window.
-    submit_seconds: float = 50.0
+    submit_seconds: float = 20.0
     lease_ttl: float = 3.0
     heartbeat_interval: float = 0.5
     time_scale: float = 10.0
     # Simulated seconds a task runs, drawn uniformly.
-    runtime_seconds: tuple[float, float] = (40.0, 120.0)
+    runtime_seconds: tuple[float, float] = (20.0, 60.0)
     chain_fraction: float = 0.2
     cancel_fraction: float = 0.05
     preemptions_per_hour: float = 20.0

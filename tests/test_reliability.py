@@ -5,8 +5,8 @@ PostgreSQL database, three or two controller replicas with a 3 s lease, logs,
 and a seeded three-region sim cloud; tokens, TLS and mTLS between them all) and
 breaks it on purpose:
 
-- a chaos soak: SIGKILL a random replica every 5-10 s for over a minute while
-  150 jobs run and get preempted; every job ends in exactly one terminal status,
+- a chaos soak: SIGKILL a random replica every 5-10 s for 30 s while
+  80 jobs run and get preempted; every job ends in exactly one terminal status,
   no task attempt is launched twice, no cluster is left (`bench/chaos.py` runs
   the same for 1,000 jobs and five minutes);
 - SIGSTOP a replica past its lease, let its jobs move, SIGCONT it: nothing it
@@ -14,9 +14,9 @@ breaks it on purpose:
   refuse a stale launch or terminate (the replica's own fencing stopped them);
 - SIGKILL a replica in the middle of a cancel's teardown: the job's next holder
   finishes the cleanup, then the job is CANCELLED;
-- restart the scheduler five times during 2,000 submissions with idempotency
+- restart the scheduler five times during 1,000 submissions with idempotency
   keys: none lost, none duplicated, counters equal the database's recount;
-- stop PostgreSQL for 30 s mid-run: health NOT_SERVING within 5 s, a call
+- stop PostgreSQL for 15 s mid-run: health NOT_SERVING within 5 s, a call
   meanwhile is answered UNAVAILABLE, no service exits, work resumes within 10 s of
   its return and every job finishes.
 
@@ -133,8 +133,9 @@ def test_chaos_soak_kills_replicas_and_loses_nothing(tmp_path: Path, admin_url: 
         config, tmp_path / "soak", admin_url, log=lambda m: print(time.strftime("%X"), m)
     )
     print(json.dumps(report.figures))
-    assert report.figures["chaos_seconds"] >= 60
-    assert report.figures["kills"] >= 6
+    # Every planned kill happened: the last one falls within a kill interval of the end.
+    assert report.figures["chaos_seconds"] >= config.chaos_seconds - config.kill_interval[1]
+    assert report.figures["kills"] >= 3
     assert report.figures["jobs"] == config.jobs
     # The chaos did hit: replicas died holding jobs, spot clusters were preempted.
     assert report.figures["resume_samples"] > 0 and report.figures["preemptions"] > 0
@@ -299,7 +300,7 @@ def test_cancelling_job_of_a_killed_replica_finishes_cleanup_then_is_cancelled(
 def test_scheduler_restarts_lose_and_duplicate_no_submission(
     tmp_path: Path, admin_url: str
 ) -> None:
-    total, restarts, cap, ttl = 2000, 5, 40, 10.0
+    total, restarts, cap, ttl = 1000, 5, 40, 10.0
     extra = ("--max-jobs", str(cap), "--shutdown-grace", "1")
     cloud = cloud_config(seed=3, time_scale=10)
     # The default lease (10 s): replicas ride out a scheduler restart without losing it.
@@ -393,7 +394,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
         assert not violations, describe(violations)
 
 
-# --- (d) the database goes away for 30 s ----------------------------------------------------
+# --- (d) the database goes away for 15 s ----------------------------------------------------
 
 
 @pytest.mark.timeout(300)
@@ -404,10 +405,10 @@ def test_database_outage_is_ridden_out(tmp_path: Path, admin_url: str) -> None:
         if IN_CI:
             pytest.fail(f"cannot stop PostgreSQL under CI: {reason}")
         pytest.skip(reason)
-    outage = 30.0
+    outage = 15.0
     with system(tmp_path / "outage", admin_url, cloud_config(seed=4, time_scale=10)) as s:
-        # 15 to 45 real seconds each: some end during the outage, some after.
-        runtimes = [150.0 + 300.0 * i / 23 for i in range(24)]
+        # 7.5 to 22.5 real seconds each: some end during the outage, some after.
+        runtimes = [75.0 + 150.0 * i / 23 for i in range(24)]
         ids = [
             s.client.submit(job_spec(f"outage-{i}", [r]), f"outage-{i}")
             for i, r in enumerate(runtimes)
