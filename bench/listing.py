@@ -125,7 +125,7 @@ def main() -> None:
             if size == args.mj_jobs:
                 figures[f"mj_queue_all_{size}_jobs_s"] = mj_queue_all(stack)
         figures["watch_fan_out"] = asyncio.run(fan_out(stack, args.watchers))
-    print(json.dumps({"bench": "queue", **figures, "machine": machine()}), flush=True)
+    print(json.dumps({"bench": "listing", **figures, "machine": machine()}), flush=True)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from system import (
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
+from services.scheduler.api import MAX_JOB_IDS
 from services.stack import Stack
 
 
@@ -182,21 +183,30 @@ async def held_by(stack: Stack, controller_id: str) -> set[int]:
 
 
 async def running_again(stack: Stack, ids: set[int], since: float, timeout: float) -> float:
-    """When the last of `ids` reported RUNNING after `since` (Unix seconds)."""
-    waiting, last = set(ids), since
+    """When the last of `ids` reported RUNNING after `since` (Unix seconds).
+
+    Watches in chunks of at most `MAX_JOB_IDS` ids, the most one WatchJobs takes.
+    """
     async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
-        stream = stub.WatchJobs(jpb.WatchJobsRequest(job_ids=sorted(ids)), timeout=timeout)
-        async for response in stream:
-            event = response.event
-            at = event.time.ToNanoseconds() / 1e9
-            if event.status == job_pb2.JOB_STATUS_RUNNING and at > since:
-                waiting.discard(event.job_id)
-                last = max(last, at)
-                if not waiting:
-                    stream.cancel()
-                    break
-    return last
+
+        async def watch(chunk: list[int]) -> float:
+            waiting, last = set(chunk), since
+            stream = stub.WatchJobs(jpb.WatchJobsRequest(job_ids=chunk), timeout=timeout)
+            async for response in stream:
+                event = response.event
+                at = event.time.ToNanoseconds() / 1e9
+                if event.status == job_pb2.JOB_STATUS_RUNNING and at > since:
+                    waiting.discard(event.job_id)
+                    last = max(last, at)
+                    if not waiting:
+                        stream.cancel()
+                        break
+            return last
+
+        ordered = sorted(ids)
+        chunks = [ordered[i : i + MAX_JOB_IDS] for i in range(0, len(ordered), MAX_JOB_IDS)]
+        return max(await asyncio.gather(*(watch(c) for c in chunks)), default=since)
 
 
 def drain(stack: Stack, loop: asyncio.AbstractEventLoop, timeout: float) -> dict[str, float]:
