@@ -280,10 +280,12 @@ def cloud_config(
 
 
 def controller_args(poll_interval: float = 30.0) -> list[str]:
-    """Fast backoff; rare polls, since the sim cloud pushes every cluster change."""
+    """Fast backoff; rare polls, since the sim cloud pushes every cluster change; a
+    cancelled sim task (which never exits on SIGTERM) is killed 5 simulated seconds on."""
     return [
         "--poll-interval", str(poll_interval),
         "--grace-seconds", "0.2",
+        "--grace-period", "5",
         "--backoff-initial", "0.2",
         "--backoff-max", "1",
         "--start-check-interval", "0.1",

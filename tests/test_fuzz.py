@@ -36,7 +36,7 @@ from identities import Identities, make_identities
 
 from services.common.access import POLICY
 
-EXAMPLES = 40
+EXAMPLES = 25
 # Seconds of generated calls per RPC; the examples left when it runs out are skipped.
 BUDGET = 2.0
 # Answers of the edge, before any handler ran.

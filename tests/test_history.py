@@ -25,7 +25,8 @@ from history_run import CI_FAULTS, RunConfig, plan, run_history
 from reliability import ADMIN_URL, IN_CI, PostgresServer, judge
 from workload import Cancel
 
-SEEDS = (1, 2, 3)
+# Two seeds keep the suite within its budget; `bench/history.py` runs as many as asked.
+SEEDS = (1, 2)
 
 
 def test_the_same_seed_gives_the_same_schedule() -> None:

@@ -14,7 +14,7 @@ breaks it on purpose:
   refuse a stale launch or terminate (the replica's own fencing stopped them);
 - SIGKILL a replica in the middle of a cancel's teardown: the job's next holder
   finishes the cleanup, then the job is CANCELLED;
-- restart the scheduler five times during 1,000 submissions with idempotency
+- restart the scheduler five times during 600 submissions with idempotency
   keys: none lost, none duplicated, counters equal the database's recount;
 - stop PostgreSQL for 15 s mid-run: health NOT_SERVING within 5 s, a call
   meanwhile is answered UNAVAILABLE, no service exits, work resumes within 10 s of
@@ -300,7 +300,7 @@ def test_cancelling_job_of_a_killed_replica_finishes_cleanup_then_is_cancelled(
 def test_scheduler_restarts_lose_and_duplicate_no_submission(
     tmp_path: Path, admin_url: str
 ) -> None:
-    total, restarts, cap, ttl = 1000, 5, 40, 10.0
+    total, restarts, cap, ttl = 600, 5, 40, 10.0
     extra = ("--max-jobs", str(cap), "--shutdown-grace", "1")
     cloud = cloud_config(seed=3, time_scale=10)
     # The default lease (10 s): replicas ride out a scheduler restart without losing it.
