@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -76,28 +77,38 @@ async def submit_all(stack: Stack, jobs: int, concurrency: int, batch: int) -> f
 async def watch_until_running(
     stack: Stack, jobs: int, timeout: float, after: int = 0
 ) -> dict[int, dict[str, float]]:
-    """Event times per job (submitted, starting, running) until `jobs` jobs are RUNNING."""
+    """Event times per job (submitted, starting, running) until `jobs` jobs are RUNNING.
+
+    A watch that falls too far behind is cut off (RESOURCE_EXHAUSTED); it resumes
+    after the last event it saw, as any client should.
+    """
     times: dict[int, dict[str, float]] = {}
     running = 0
     async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
-        stream = stub.WatchJobs(jpb.WatchJobsRequest(after_event_id=after), timeout=timeout)
-        async for response in stream:
-            event = response.event
-            seen = times.setdefault(event.job_id, {})
-            at = event.time.ToNanoseconds() / 1e9
-            if event.message == "submitted":
-                seen.setdefault("submitted", at)
-            elif event.message.startswith("admitted on "):
-                seen.setdefault("admitted", at)
-            elif event.status == job_pb2.JOB_STATUS_STARTING:
-                seen.setdefault("starting", at)
-            elif event.status == job_pb2.JOB_STATUS_RUNNING and "running" not in seen:
-                seen["running"] = at
-                running += 1
-                if running >= jobs:
-                    stream.cancel()
-                    break
+        while running < jobs:
+            stream = stub.WatchJobs(jpb.WatchJobsRequest(after_event_id=after), timeout=timeout)
+            try:
+                async for response in stream:
+                    event = response.event
+                    after = max(after, event.event_id)
+                    seen = times.setdefault(event.job_id, {})
+                    at = event.time.ToNanoseconds() / 1e9
+                    if event.message == "submitted":
+                        seen.setdefault("submitted", at)
+                    elif event.message.startswith("admitted on "):
+                        seen.setdefault("admitted", at)
+                    elif event.status == job_pb2.JOB_STATUS_STARTING:
+                        seen.setdefault("starting", at)
+                    elif event.status == job_pb2.JOB_STATUS_RUNNING and "running" not in seen:
+                        seen["running"] = at
+                        running += 1
+                        if running >= jobs:
+                            stream.cancel()
+                            break
+            except grpc.aio.AioRpcError as error:
+                if error.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
     return times
 
 
