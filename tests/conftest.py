@@ -1,4 +1,6 @@
-"""Shared fixtures: databases (a SQLite file and the PostgreSQL server) and stores.
+"""Shared fixtures: databases (a SQLite file and the PostgreSQL server), stores, and
+stubs for the end-to-end modules' `stack` (the scheduler's JobService, the sim
+cloud's operator API).
 
 PostgreSQL tests run against 127.0.0.1:5432 (override with MJ_TEST_POSTGRES_URL).
 Under CI=true they never skip: an unreachable server fails them. Elsewhere they
@@ -17,9 +19,12 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
+from managedjobs.v1 import job_service_pb2_grpc
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.store import Store
+from services.stack import Stack
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "MJ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
@@ -99,3 +104,17 @@ def store(database: Database, bus: EventBus) -> Store:
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
 if IN_CI:
     hypothesis_settings.load_profile("ci")
+
+
+@pytest.fixture(scope="module")
+def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
+    """The JobService of the module's `stack` fixture, as its admin."""
+    with stack.channel(stack.scheduler_address) as channel:
+        yield job_service_pb2_grpc.JobServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def cloud(stack: Stack) -> Iterator[spb_grpc.SimOperatorServiceStub]:
+    """The sim cloud's operator API of the module's `stack` fixture."""
+    with stack.channel(stack.simcloud_address) as channel:
+        yield spb_grpc.SimOperatorServiceStub(channel)

@@ -46,12 +46,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert_no_tracebacks(data)
 
 
-@pytest.fixture(scope="module")
-def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
-    with stack.channel(stack.scheduler_address) as channel:
-        yield job_service_pb2_grpc.JobServiceStub(channel)
-
-
 def wait_job(
     jobs: job_service_pb2_grpc.JobServiceStub, job_id: int, timeout: float = 60
 ) -> job_pb2.Job:

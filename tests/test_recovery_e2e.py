@@ -60,18 +60,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert_no_tracebacks(data)
 
 
-@pytest.fixture(scope="module")
-def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
-    with stack.channel(stack.scheduler_address) as channel:
-        yield job_service_pb2_grpc.JobServiceStub(channel)
-
-
-@pytest.fixture(scope="module")
-def cloud(stack: Stack) -> Iterator[spb_grpc.SimOperatorServiceStub]:
-    with stack.channel(stack.simcloud_address) as channel:
-        yield spb_grpc.SimOperatorServiceStub(channel)
-
-
 @dataclasses.dataclass
 class Run:
     """What a job did, as its events and the cloud told it."""

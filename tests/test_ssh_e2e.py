@@ -188,12 +188,6 @@ def stack(hosts: SshHosts, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     assert_no_tracebacks(data)
 
 
-@pytest.fixture(scope="module")
-def jobs(stack: Stack) -> Iterator[job_service_pb2_grpc.JobServiceStub]:
-    with stack.channel(stack.scheduler_address) as channel:
-        yield job_service_pb2_grpc.JobServiceStub(channel)
-
-
 @pytest.fixture
 def clean(hosts: SshHosts, jobs: job_service_pb2_grpc.JobServiceStub) -> Iterator[SshHosts]:
     """Every host answers before the test; after it, every job is done (a failed test's

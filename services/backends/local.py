@@ -94,7 +94,7 @@ from services.backends.local_cluster import (
     write_atomic,
     write_json_atomic,
 )
-from services.backends.local_fencing import EpochFence
+from services.backends.local_fencing import ClusterLock, EpochFence
 from services.backends.local_users import (
     DEFAULT_RUN_AS,
     DEFAULT_RUN_AS_UIDS,
@@ -399,6 +399,25 @@ class LocalBackend(Backend):
             return ClusterStatus.DOWN
         return ClusterStatus.INIT if age < self._start_timeout else ClusterStatus.DOWN
 
+    @contextlib.asynccontextmanager
+    async def _fenced(
+        self, handle: ClusterHandle, epoch: int, action: str, existing_only: bool = True
+    ) -> AsyncIterator[tuple[ClusterLayout, ClusterLock] | None]:
+        """The cluster's layout and lock, held, once `epoch` was admitted for `action`;
+        None when there is no such cluster (or, with `existing_only`, no folder).
+
+        Raises:
+            StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
+        """
+        layout = self._layout_or_none(handle.cluster_name)
+        if layout is None or (existing_only and not layout.dir.is_dir()):
+            yield None
+            return
+        await asyncio.to_thread(self._prepare)
+        async with self._fence.cluster_lock(handle.cluster_name) as lock:
+            await self._admit(layout, epoch, action)
+            yield layout, lock
+
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         """Stops the ranks (SIGTERM, `grace` seconds, SIGKILL), kills every process of
         the cluster and removes its folder.
@@ -406,14 +425,11 @@ class LocalBackend(Backend):
         Raises:
             StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
         """
-        layout = self._layout_or_none(handle.cluster_name)
-        if layout is None:
-            return
-        await asyncio.to_thread(self._prepare)
-        async with self._fence.cluster_lock(handle.cluster_name) as lock:
-            await self._admit(layout, epoch, "terminate")
-            await self._stop_and_remove(layout, max(0.0, grace))
-            lock.discard()
+        async with self._fenced(handle, epoch, "terminate", existing_only=False) as held:
+            if held is not None:
+                layout, lock = held
+                await self._stop_and_remove(layout, max(0.0, grace))
+                lock.discard()
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         """Stops the ranks (SIGTERM, `grace` seconds, SIGKILL) and waits for the
@@ -422,14 +438,11 @@ class LocalBackend(Backend):
         Raises:
             StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
         """
-        layout = self._layout_or_none(handle.cluster_name)
-        if layout is None or not layout.dir.is_dir():
-            return
-        await asyncio.to_thread(self._prepare)
-        async with self._fence.cluster_lock(handle.cluster_name):
-            await self._admit(layout, epoch, "stop")
-            await self._stop_supervisor(layout, max(0.0, grace))
-            await asyncio.to_thread(self._kill_all, layout)
+        async with self._fenced(handle, epoch, "stop") as held:
+            if held is not None:
+                layout, _ = held
+                await self._stop_supervisor(layout, max(0.0, grace))
+                await asyncio.to_thread(self._kill_all, layout)
 
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Writes the deadline to the notice file and sends SIGTERM to every rank; the
@@ -438,12 +451,10 @@ class LocalBackend(Backend):
         Raises:
             StaleEpochError: `epoch` is non-zero and below the job's highest epoch.
         """
-        layout = self._layout_or_none(handle.cluster_name)
-        if layout is None or not layout.dir.is_dir():
-            return
-        await asyncio.to_thread(self._prepare)
-        async with self._fence.cluster_lock(handle.cluster_name):
-            await self._admit(layout, epoch, "preemption notice")
+        async with self._fenced(handle, epoch, "preemption notice") as held:
+            if held is None:
+                return
+            layout, _ = held
             if supervisor_process(layout) is None:
                 return
             write_atomic(layout.notice_file, f"{float(deadline)!r}\n".encode(), mode=0o644)
