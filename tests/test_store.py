@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
+import sqlite3
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 from sqlalchemy import event, func, select, update
 
@@ -12,6 +16,7 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.counters import Counters, live_counts
+from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.models import EventRow, JobRow, TaskRow
 from services.scheduler.outbox import Outbox
@@ -236,6 +241,57 @@ def statements(store: Store) -> Iterator[list[str]]:
         yield seen
     finally:
         event.remove(engine, "before_cursor_execute", record)
+
+
+# A plan step that reads a whole table, or sorts every row a state holds: a cost that
+# grows with the number of jobs. (Steps over lists of constants are fine.)
+WHOLE_TABLE = re.compile(r"^SCAN (jobs|tasks|attempts|events|secrets)\b|TEMP B-TREE")
+
+
+async def test_hot_statements_use_indexes_on_sqlite(tmp_path: Path) -> None:
+    """Submissions with keys, admission's reads and a batch of reports touch only the rows
+    they name: no statement of theirs scans a table or sorts a whole schedule state."""
+    db = Database.open(f"sqlite:///{tmp_path / 'plans.db'}")
+    await db.migrate()
+    store = Store(db, EventBus())
+    seen: list[tuple[str, Any]] = []
+
+    def record(
+        conn: object, cursor: object, statement: str, parameters: Any, context: object, many: bool
+    ) -> None:
+        seen.append((statement, parameters[0] if many else parameters))
+
+    engines = [db.write_engine.sync_engine, db.read_engine.sync_engine]
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", record)
+    try:
+        jobs = [new_job(key=f"k{i}", priority=i % 2) for i in range(4)]
+        ids = [job_id for job_id, _ in await store.submit_many(jobs)]
+        assert [j for j, _ in await store.submit_many(jobs[:1])] == ids[:1]
+        assert len(await store.queued(St.WAITING, None, 2)) == 2
+        epochs = [await assign(store, job_id) for job_id in ids]
+        for status in (S.STARTING, S.RUNNING):
+            await accepted(
+                store,
+                "c1",
+                *[transition(j, e, status, attempt=1) for j, e in zip(ids, epochs, strict=True)],
+            )
+        assert len(await store.queued(St.LAUNCHING, "c1", 10)) == 4
+    finally:
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", record)
+        await db.close()
+    raw = sqlite3.connect(tmp_path / "plans.db")
+    wasteful = []
+    for statement, parameters in seen:
+        if not statement.lstrip().upper().startswith(("SELECT", "UPDATE", "DELETE")):
+            continue
+        plan = [row[3] for row in raw.execute("EXPLAIN QUERY PLAN " + statement, parameters)]
+        if any(WHOLE_TABLE.search(step) for step in plan):
+            wasteful.append((statement, plan))
+    raw.close()
+    assert len(seen) > 10
+    assert not wasteful, wasteful
 
 
 async def test_a_status_change_costs_the_same_whatever_the_chain_length(store: Store) -> None:

@@ -24,6 +24,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, orm_insert_sentinel
 
@@ -49,7 +50,8 @@ class JobRow(Base):
     __tablename__ = "jobs"
     __table_args__ = (
         UniqueConstraint("user", "idempotency_key", name="uq_jobs_user_idempotency_key"),
-        Index("ix_jobs_schedule", "schedule_state", "priority", "id"),
+        # Admission order: priority descending, then submission (see migration 0007).
+        Index("ix_jobs_schedule", "schedule_state", text("priority DESC"), "id"),
         Index("ix_jobs_controller", "controller_id", "schedule_state"),
         Index("ix_jobs_user", "user", "id"),
         Index("ix_jobs_pending_deadline", "schedule_state", "pending_deadline"),

@@ -210,17 +210,24 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
         return
     session = txn.session
     loaded = _loaded(txn)
-    query = select(JobRow).where(JobRow.id.in_(sorted(job_ids))).with_for_update()
+    # Each key query below also names the job ids: SQLite answers a row-value IN alone
+    # with a scan of the whole table, and with the job ids through the primary key.
+    jobs_in = sorted(job_ids)
+    query = select(JobRow).where(JobRow.id.in_(jobs_in)).with_for_update()
     found_jobs = {job.id: job for job in await session.scalars(query)}
     loaded.jobs.update({job_id: found_jobs.get(job_id) for job_id in job_ids})
     if task_keys:
         key = tuple_(TaskRow.job_id, TaskRow.task_id)
-        rows = await session.scalars(select(TaskRow).where(key.in_(sorted(task_keys))))
+        rows = await session.scalars(
+            select(TaskRow).where(TaskRow.job_id.in_(jobs_in), key.in_(sorted(task_keys)))
+        )
         found_tasks = {(t.job_id, t.task_id): t for t in rows}
         loaded.tasks.update({k: found_tasks.get(k) for k in task_keys})
     if attempt_keys:
         key3 = tuple_(AttemptRow.job_id, AttemptRow.task_id, AttemptRow.attempt)
-        rows3 = await session.scalars(select(AttemptRow).where(key3.in_(sorted(attempt_keys))))
+        rows3 = await session.scalars(
+            select(AttemptRow).where(AttemptRow.job_id.in_(jobs_in), key3.in_(sorted(attempt_keys)))
+        )
         found = {(a.job_id, a.task_id, a.attempt): a for a in rows3}
         loaded.attempts.update({k: found.get(k) for k in attempt_keys})
 
@@ -484,7 +491,13 @@ async def release(
     if job_ids is not None:
         scopes = [[JobRow.id.in_(chunk)] for chunk in chunked(list(job_ids))]
     if pairs is not None:
-        scopes = [[tuple_(JobRow.id, JobRow.epoch).in_(chunk)] for chunk in chunked(list(pairs))]
+        scopes = [
+            [
+                JobRow.id.in_([job_id for job_id, _ in chunk]),
+                tuple_(JobRow.id, JobRow.epoch).in_(chunk),
+            ]
+            for chunk in chunked(list(pairs))
+        ]
     released: list[tuple[int, int, ScheduleState, ScheduleState, JobStatus, int]] = []
     for scope in scopes:
         where = [JobRow.controller_id == cid, *scope]

@@ -280,13 +280,15 @@ class Store:
     async def _submit_many(self, jobs: Sequence[NewJob]) -> list[tuple[int, bool]]:
         answers: list[tuple[int, bool] | None] = [None] * len(jobs)
         keys = {job.idempotency_key for job in jobs if job.idempotency_key}
+        users = {job.user for job in jobs if job.idempotency_key}
         repeats: list[tuple[int, int]] = []
         async with self.transaction() as txn:
             existing: dict[tuple[str, str], int] = {}
             if keys:
                 rows = await txn.session.execute(
+                    # Users first: the unique index on (user, key) serves the lookup.
                     select(JobRow.id, JobRow.user, JobRow.idempotency_key).where(
-                        JobRow.idempotency_key.in_(keys)
+                        JobRow.user.in_(users), JobRow.idempotency_key.in_(keys)
                     )
                 )
                 existing = {(u, k or ""): int(i) for i, u, k in rows.all()}
