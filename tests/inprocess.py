@@ -70,9 +70,11 @@ async def running_system(
         logs_backend = LocalBackend(folder / "clusters")
         directory = JobDirectory(scheduler_address, ids.client("service", tls))
         logs = Server("127.0.0.1", 0, security=ids.server("logs", tls))
+        log_store = LogStore(folder / "logs")
+        stack.callback(log_store.close)
         logs.add(
             log_service_pb2_grpc.add_LogServiceServicer_to_server,
-            LogServicer(LogStore(folder / "logs"), directory, logs_backend),
+            LogServicer(log_store, directory, logs_backend),
             "managedjobs.v1.LogService",
         )
         logs_address = f"127.0.0.1:{await logs.start()}"

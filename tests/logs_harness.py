@@ -382,3 +382,4 @@ async def running_system(
         await logs_server.stop(0)
         await system.scheduler_server.stop(0)
         await directory.close()
+        store.close()

@@ -28,7 +28,7 @@ from services.common.edge import ServerSecurity
 from services.common.server import Server
 from services.logs import RECOVERED_MARKER, LogStore
 from services.logs.main import SETTINGS
-from services.logs.store import CHUNK_BYTES
+from services.logs.store import CHUNK_BYTES, OPEN_APPENDERS
 
 
 @pytest.fixture
@@ -376,6 +376,22 @@ async def test_append_rejects_bad_batches_and_stores_nothing(system: System) -> 
         lines=[line(job_id=1, line="y" * (16 * 1024))] + [line(job_id=1, line="z")] * 999
     )
     assert (await system.stub.AppendControllerLogs(request)).lines_stored == 1000
+
+
+def test_controller_logs_stay_whole_past_the_open_files_kept(tmp_path: Path) -> None:
+    store = LogStore(tmp_path)
+    jobs = range(1, OPEN_APPENDERS + 40)
+    for round_ in range(3):  # interleaved, so every job's file is closed and reopened
+        for job_id in jobs:
+            assert store.append_controller_lines(job_id, [f"{job_id} {round_}"]) > 0
+    assert len(store._appenders) == OPEN_APPENDERS
+    for job_id in jobs:  # readable before close: nothing waits in a buffer
+        expected = "".join(f"{job_id} {round_}\n" for round_ in range(3))
+        assert store.controller_path(job_id).read_text() == expected
+    store.close()
+    assert not store._appenders
+    store.append_controller_lines(1, ["again"])
+    assert store.controller_path(1).read_text().endswith("1 2\nagain\n")
 
 
 def test_tail_offset_within_a_range(tmp_path: Path) -> None:

@@ -100,7 +100,8 @@ async def serve(args: argparse.Namespace, security: ServerSecurity, client: Clie
         raise SettingError(str(exc)) from None
     directory = JobDirectory(args.scheduler_address, client)
     holders = Holders(directory, ttl=args.holder_cache_seconds)
-    servicer = LogServicer(LogStore(data_dir / "logs"), directory, backend, holders=holders)
+    store = LogStore(data_dir / "logs")
+    servicer = LogServicer(store, directory, backend, holders=holders)
     server = Server(args.host, args.port, security=security)
     server.add(log_service_pb2_grpc.add_LogServiceServicer_to_server, servicer, SERVICE_NAME)
     try:
@@ -110,6 +111,7 @@ async def serve(args: argparse.Namespace, security: ServerSecurity, client: Clie
     finally:
         await directory.close()
         await backend.close()
+        store.close()
 
 
 if __name__ == "__main__":

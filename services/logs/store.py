@@ -30,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import json
 import os
@@ -37,9 +38,12 @@ import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 CHUNK_BYTES = 64 * 1024
+# Controller logs kept open for appending, most recently written last: a job's lines
+# come in bursts (launch, running, end), and opening a file costs a path lookup.
+OPEN_APPENDERS = 256
 RECOVERED_MARKER = b"[managed-jobs] task recovered on a new cluster\n"
 
 
@@ -123,6 +127,7 @@ class LogStore:
         self._locks: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
             weakref.WeakValueDictionary()
         )
+        self._appenders: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
 
     def task_path(self, job_id: int, task_id: int) -> Path:
         return self.root / str(job_id) / f"task-{task_id}.log"
@@ -152,13 +157,33 @@ class LogStore:
         data = "".join(line if line.endswith("\n") else line + "\n" for line in lines).encode()
         if not data:
             return 0
-        path = self.controller_path(job_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        # One small synchronous write keeps concurrent appends in arrival order.
-        with path.open("ab") as file:
-            file.write(data)
+        # One small synchronous, unbuffered write keeps concurrent appends in arrival
+        # order and visible to readers at once.
+        self._appender(job_id).write(data)
         self._notify(job_id)
         return len(data)
+
+    def _appender(self, job_id: int) -> BinaryIO:
+        """The job's controller log, open for appending (the job's folder made if missing)."""
+        file = self._appenders.pop(job_id, None)
+        if file is None:
+            path = self.controller_path(job_id)
+            try:
+                file = path.open("ab", buffering=0)
+            except FileNotFoundError:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                file = path.open("ab", buffering=0)
+            if len(self._appenders) >= OPEN_APPENDERS:
+                _, oldest = self._appenders.popitem(last=False)
+                oldest.close()
+        self._appenders[job_id] = file
+        return file
+
+    def close(self) -> None:
+        """Closes the controller logs kept open."""
+        while self._appenders:
+            _, file = self._appenders.popitem()
+            file.close()
 
     def task_log(self, job_id: int, task_id: int) -> TaskLog | None:
         """The stored log of a task, or None when nothing was fetched yet."""
