@@ -48,7 +48,7 @@ from services.common.errors import (
     abort,
     unexpected,
 )
-from services.common.metrics import RPC_SECONDS
+from services.common.metrics import RPC_SECONDS, child
 from services.common.tls import ServerTls, TlsConfigError, is_loopback, peer_names
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,8 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, tokens: TokensFile | None, policy: Mapping[str, Rule] = POLICY) -> None:
         self._tokens = tokens
         self._policy = policy
+        # Per method: the handler gRPC gave and its wrapped form (made once, not per call).
+        self._wrapped: dict[str, tuple[Any, Any]] = {}
 
     async def intercept_service(
         self,
@@ -194,7 +196,12 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
         method = handler_call_details.method
         if handler is None or is_open(method):
             return handler
-        return self._wrap(handler, method, self._policy.get(method))
+        known = self._wrapped.get(method)
+        if known is not None and known[0] is handler:
+            return known[1]
+        wrapped = self._wrap(handler, method, self._policy.get(method))
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
 
     # --- who and what ----------------------------------------------------------------------
 
@@ -264,7 +271,7 @@ class EdgeInterceptor(grpc.aio.ServerInterceptor):
     def _finished(self, call: _Call) -> None:
         """Every call ends here: its latency metric, and the audit line of a mutating one."""
         seconds = time.perf_counter() - call.started
-        RPC_SECONDS.labels(call.method, call.code.name).observe(seconds)
+        child(RPC_SECONDS, call.method, call.code.name).observe(seconds)
         if call.rule is None or not call.rule.mutating:
             return
         principal = call.principal

@@ -9,6 +9,7 @@ Names start with `mj_`; the README lists them.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from prometheus_client import Histogram, start_http_server
 
@@ -35,6 +36,22 @@ RPC_SECONDS = Histogram(
 )
 
 
+_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def child(metric: Any, *values: str) -> Any:
+    """`metric.labels(*values)`, looked up once per metric and label values.
+
+    For the labels of hot paths (a method, a status, a kind): a small fixed set, so
+    the cache stays small, and the call skips prometheus-client's lock and checks.
+    """
+    key = (id(metric), values)
+    found = _children.get(key)
+    if found is None:
+        found = _children[key] = metric.labels(*values)
+    return found
+
+
 def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     """Serves /metrics on `port` (0: not at all); returns the port."""
     if not port:
@@ -49,4 +66,4 @@ def serve_metrics(port: int, host: str = "127.0.0.1") -> int:
     return port
 
 
-__all__ = ["METRICS_PORT", "RPC_SECONDS", "SECONDS", "serve_metrics"]
+__all__ = ["METRICS_PORT", "RPC_SECONDS", "SECONDS", "child", "serve_metrics"]

@@ -25,6 +25,7 @@ from services.backends import (
     TaskRequest,
 )
 from services.backends.wrapper import BackendWrapper
+from services.common.metrics import child
 
 BACKEND_CALLS = Counter("mj_backend_calls_total", "Calls a replica made to its backend", ["call"])
 TRANSITIONS = Counter("mj_task_transitions_total", "Task statuses reported, by status", ["status"])
@@ -39,7 +40,7 @@ class MeteredBackend(BackendWrapper):
 
     def _count(self, call: str, n: int = 1) -> None:
         self.calls[call] = self.calls.get(call, 0) + n
-        BACKEND_CALLS.labels(call).inc(n)
+        child(BACKEND_CALLS, call).inc(n)
 
     async def launch(
         self,
@@ -119,4 +120,4 @@ def watch_replica(read: Callable[[], dict[str, float]]) -> None:
 
 
 def transition(status: Any) -> None:
-    TRANSITIONS.labels(getattr(status, "name", str(status))).inc()
+    child(TRANSITIONS, getattr(status, "name", str(status))).inc()

@@ -21,7 +21,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from managedjobs.v1 import job_pb2
-from services.common.metrics import SECONDS
+from services.common.metrics import SECONDS, child
 from services.common.statuses import ALIVE_STATES, JobStatus, ScheduleState
 from services.scheduler.counters import Counters
 from services.scheduler.store import Move
@@ -96,7 +96,7 @@ def admitted(jobs: Iterable[job_pb2.Job]) -> None:
 
 
 def reported(kind: str, refusal: str = "") -> None:
-    REPORTS.labels(kind).inc()
+    child(REPORTS, kind).inc()
     if refusal:
         REFUSED.labels(refusal).inc()
 
