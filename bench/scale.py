@@ -5,7 +5,8 @@ before, submits N long jobs as fast as the API takes them, and reports:
 - seconds until every job is RUNNING, and submissions per second;
 - submit -> first launch (the job's STARTING event) p50/p99;
 - RSS and PSS of every process before and loaded, and per job for the replicas;
-- CPU seconds per job of the scheduler and the replicas while loading;
+- CPU seconds per job of the scheduler and the replicas while loading, and of every
+  process of the system (`cpu_ms_per_job`);
 - idle CPU (percent of a core) of each process with every job running and
   nothing happening;
 - with --drain, SIGTERM to one replica: how long its drain took and how long
@@ -171,6 +172,9 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         "stages": breakdown,
         "scheduler_cpu_ms_per_job": round(1000 * loaded_cpu["scheduler"] / args.jobs, 2),
         "replica_cpu_ms_per_job": round(1000 * sum(loaded_cpu[n] for n in replicas) / args.jobs, 2),
+        "cpu_ms_per_job": {
+            name: round(1000 * seconds / args.jobs, 2) for name, seconds in loaded_cpu.items()
+        },
         "replica_kb_per_job": round(statistics.mean(per_job_kb), 1),
         "memory_before": before_memory,
         "memory_loaded": loaded_memory,
