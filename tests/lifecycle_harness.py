@@ -191,6 +191,20 @@ class Wrapped(BackendWrapper):
     def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
         return seen
 
+    async def launch(
+        self,
+        request: TaskRequest,
+        candidate_regions: Sequence[str] = (),
+        blocked_regions: Sequence[str] = (),
+    ) -> ClusterHandle:
+        return self.launched(await self.inner.launch(request, candidate_regions, blocked_regions))
+
+    def launched(self, handle: ClusterHandle) -> ClusterHandle:
+        """The handle a launch returned, with what the launch saw bent like every look."""
+        if handle.seen is None:
+            return handle
+        return dataclasses.replace(handle, seen=self.bend(handle, handle.seen))
+
     async def observe(self, handle: ClusterHandle) -> Observation:
         return self.bend(handle, await self.inner.observe(handle))
 
@@ -353,7 +367,7 @@ class NeverStartsFirst(Wrapped):
         if request.cluster_name not in self._seen:
             self._seen.add(request.cluster_name)
             self._stuck.add(request.cluster_name)
-        return handle
+        return self.launched(handle)
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
         self._stuck.discard(handle.cluster_name)

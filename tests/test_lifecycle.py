@@ -713,6 +713,8 @@ async def test_a_running_job_on_a_pushing_backend_makes_no_backend_calls_while_q
     running = await start_job(world, job, wrap=meter, config=fast_config(poll_interval=0.1))
     await asyncio.wait_for(running.host.watching.wait(), 5)
     before = dict(metered[0].calls)
+    # The task was seen started in the launch's answer: no look at the cluster of its own.
+    assert before["launch"] == 1 and "observe" not in before, before
     await asyncio.sleep(1.0)  # a quiet interval: nothing happens to the cluster
     assert metered[0].calls == before, (before, metered[0].calls)
     assert running.host.hub.observe_calls <= 1  # the first look only

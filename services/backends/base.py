@@ -133,9 +133,20 @@ class ClusterHandle:
     region: str = ""
     zone: str = ""
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # The cluster as the launch that made this handle left it, when the backend's
+    # launch answer says: the controller's first look at the new task, without a
+    # call. Not part of the handle's identity, nor of its JSON.
+    seen: Observation | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        fields = {
+            "cluster_name": self.cluster_name,
+            "backend": self.backend,
+            "region": self.region,
+            "zone": self.zone,
+            "data": dict(self.data),
+        }
+        return json.dumps(fields, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> ClusterHandle:

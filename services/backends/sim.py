@@ -243,6 +243,7 @@ class SimBackend(Backend):
             region=cluster.region,
             zone=cluster.zone,
             data={"cluster_id": cluster.cluster_id},
+            seen=observation(cluster),
         )
 
     def handle_for(self, cluster_name: str) -> ClusterHandle:

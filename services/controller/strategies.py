@@ -315,7 +315,9 @@ class Strategy(abc.ABC):
             if check:
                 await self.config.sleep(self.config.start_check_interval)
             try:
-                seen = await self.backend.observe(handle)
+                # The first look comes with the launch's answer when the backend gives it.
+                seen = handle.seen if not check and handle.seen else None
+                seen = seen or await self.backend.observe(handle)
             except BackendError as error:
                 self.note(f"cannot read the task on {handle.cluster_name} yet: {error}")
                 continue
