@@ -44,3 +44,38 @@ async def test_a_job_too_large_to_assign_fails_and_the_stream_carries_the_others
     assert failed is not None and failed.schedule_state == St.DONE
     assert failed.status == S.FAILED_CONTROLLER and "cannot be assigned" in failed.failure_reason
     assert live_counts(counters.counts) == live_counts(await store.recount())
+
+
+async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slots_first(
+    store: Store,
+) -> None:
+    """A replica that launches fast frees its launch slots first; jobs must still spread
+    by how many each replica holds."""
+    counters = Counters(store)
+    store.on_moves = counters.apply
+    outbox = Outbox()
+    admission = Admission(store, counters, outbox, Limits())
+
+    def hello(cid: str) -> None:
+        outbox.attach(cid)
+        capacity = pb.Capacity(max_launches=10, max_jobs=100)
+        admission.connected(pb.ControllerHello(controller_id=cid, capacity=capacity))
+
+    async def admit(count: int) -> list[int]:
+        ids = [(await store.submit(job()))[0] for _ in range(count)]
+        await admission.schedule()
+        return ids
+
+    hello("fast")
+    for _ in range(5):  # 50 jobs running on "fast", every launch slot free again
+        ids = await admit(10)
+        moves, _ = await store.move_many(ids, St.LAUNCHING, St.ALIVE, controller_id="fast")
+        assert len(moves) == 10
+    hello("slow")
+    await admit(5)  # 5 jobs still launching on "slow"
+    assert (counters.slots("fast").alive, counters.slots("slow").alive) == (50, 5)
+    await admit(6)
+    # "slow" holds far fewer: it takes jobs while it has a launch slot, "fast" the rest.
+    assert (counters.slots("fast").alive, counters.slots("slow").alive) == (51, 10)
+    assert counters.slots("slow").launching == 10
+    assert live_counts(counters.counts) == live_counts(await store.recount())

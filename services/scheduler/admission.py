@@ -179,8 +179,11 @@ class Admission:
     def _best_replica(
         self, need_launch_room: bool, pending: Counter[str] | None = None
     ) -> ReplicaInfo | None:
-        """The non-draining replica with the most room for one more job, if any has room.
+        """The non-draining replica with the most room for jobs among those with room for
+        one more (and a free launch slot, with `need_launch_room`), if any.
 
+        Jobs spread by how many each replica holds, not by which replica frees its
+        launch slots first: a faster replica would otherwise take ever more of them.
         `pending` counts jobs already planned for each replica in this pass.
         """
         best: ReplicaInfo | None = None
@@ -191,8 +194,8 @@ class Admission:
             slots = self.counters.slots(replica.controller_id)
             planned = pending[replica.controller_id] if pending else 0
             room = self.limit_jobs(replica) - slots.alive - planned
-            if need_launch_room:
-                room = min(room, self.limit_launches(replica) - slots.launching - planned)
+            if need_launch_room and self.limit_launches(replica) - slots.launching - planned < 1:
+                continue
             if room > best_room:
                 best, best_room = replica, room
         return best
