@@ -179,25 +179,27 @@ class Admission:
     def _best_replica(
         self, need_launch_room: bool, pending: Counter[str] | None = None
     ) -> ReplicaInfo | None:
-        """The non-draining replica with the most room for jobs among those with room for
-        one more (and a free launch slot, with `need_launch_room`), if any.
+        """The non-draining replica holding the fewest jobs among those with room for one
+        more (and a free launch slot, with `need_launch_room`), if any.
 
         Jobs spread by how many each replica holds, not by which replica frees its
         launch slots first: a faster replica would otherwise take ever more of them.
         `pending` counts jobs already planned for each replica in this pass.
         """
         best: ReplicaInfo | None = None
-        best_room = 0
+        best_held = 0
         for replica in self.replicas.values():
             if replica.draining:
                 continue
             slots = self.counters.slots(replica.controller_id)
             planned = pending[replica.controller_id] if pending else 0
-            room = self.limit_jobs(replica) - slots.alive - planned
-            if need_launch_room and self.limit_launches(replica) - slots.launching - planned < 1:
+            held = slots.alive + planned
+            if held >= self.limit_jobs(replica):
                 continue
-            if room > best_room:
-                best, best_room = replica, room
+            if need_launch_room and slots.launching + planned >= self.limit_launches(replica):
+                continue
+            if best is None or held < best_held:
+                best, best_held = replica, held
         return best
 
     def _orphans(self) -> int:
