@@ -663,6 +663,16 @@ def test_queue_limit_stops_paging(
     assert len(capsys.readouterr().out.splitlines()) == 2
     assert len(jobs.list_requests) == 1
     assert jobs.list_requests[0].user == "alice"
+    # Pages are asked for ahead, but never past the limit.
+    jobs.list_requests.clear()
+    assert mj(address, "queue", "--limit", "2") == 0
+    assert [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]] == [
+        "7",
+        "8",
+        "↳",
+        "↳",
+    ]
+    assert [r.page_token for r in jobs.list_requests] == ["", "1"]
 
 
 def test_cancel_names_the_jobs_it_cancels(

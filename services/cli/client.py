@@ -158,16 +158,35 @@ class Client:
         statuses: Iterable[job_pb2.JobStatus.ValueType],
         user: str,
         page_size: int = PAGE_SIZE,
+        limit: int | None = None,
     ) -> Iterator[job_pb2.Job]:
-        """Every matching job, fetching the next page only when the caller gets to it."""
-        request = job_service_pb2.ListJobsRequest(statuses=statuses, user=user, page_size=page_size)
-        while True:
-            with _calling(SCHEDULER, self.scheduler_address):
-                response = self._jobs().ListJobs(request, timeout=self._timeout)
-            yield from response.jobs
-            if not response.next_page_token:
-                return
-            request.page_token = response.next_page_token
+        """Every matching job (the first `limit` only, when given), page by page: the next
+        page is asked for as soon as a page arrives, so the scheduler builds it while
+        the caller works through this one."""
+        stub = self._jobs()
+        statuses = list(statuses)
+
+        def ask(page_token: str = "") -> grpc.Future:
+            request = job_service_pb2.ListJobsRequest(
+                statuses=statuses, user=user, page_size=page_size, page_token=page_token
+            )
+            return stub.ListJobs.future(request, timeout=self._timeout)
+
+        pending: grpc.Future | None = ask()
+        wanted = limit
+        try:
+            while pending is not None:
+                with _calling(SCHEDULER, self.scheduler_address):
+                    response = pending.result()
+                jobs = response.jobs if wanted is None else response.jobs[:wanted]
+                if wanted is not None:
+                    wanted -= len(jobs)
+                more = response.next_page_token and (wanted is None or wanted > 0)
+                pending = ask(response.next_page_token) if more else None
+                yield from jobs
+        finally:
+            if pending is not None:
+                pending.cancel()
 
     def cancel_jobs(self, request: job_service_pb2.CancelJobsRequest) -> list[int]:
         with _calling(SCHEDULER, self.scheduler_address):

@@ -8,7 +8,6 @@ turns both into one line on stderr. Log bytes go to stdout unchanged; what
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 import time
 import uuid
@@ -133,7 +132,7 @@ def queue(client: Client, args: argparse.Namespace) -> int:
     """Lists jobs as a table: the caller's (or `--user`'s), or everyone's with `--all`."""
     user = "" if args.all else (args.filter_user or args.user)
     page_size = PAGE_SIZE if args.limit is None else min(PAGE_SIZE, args.limit)
-    jobs = list(itertools.islice(client.list_jobs(args.status, user, page_size), args.limit))
+    jobs = list(client.list_jobs(args.status, user, page_size, limit=args.limit))
     if not jobs:
         print("No managed jobs.")
         return ExitCode.OK
