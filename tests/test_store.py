@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import re
 import sqlite3
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -504,3 +505,29 @@ async def test_each_attempt_keeps_its_cluster_end_and_exit_code(store: Store) ->
     )
     assert (second.attempt, second.region, second.exit_code) == (2, "r2", 3)
     assert second.HasField("end_time") and second.outcome == "user run exited non-zero"
+
+
+async def test_sqlite_reads_run_on_the_event_loop_thread(tmp_path: Path) -> None:
+    """The read engine runs SQLite inline (no worker thread per connection, no hop per
+    statement); writes keep their thread, and reads see what they committed."""
+    db = Database.open(f"sqlite:///{tmp_path / 'inline.db'}")
+    await db.migrate()
+    store = Store(db, EventBus())
+    try:
+        job_id, _ = await store.submit(new_job())  # the writer's connection and thread
+        threads = {t.ident for t in threading.enumerate()}
+        executed_on: list[int] = []
+
+        def record(*args: object) -> None:
+            executed_on.append(threading.get_ident())
+
+        event.listen(db.read_engine.sync_engine, "before_cursor_execute", record)
+        try:
+            reads = await asyncio.gather(*(store.get_job(job_id) for _ in range(5)))
+        finally:
+            event.remove(db.read_engine.sync_engine, "before_cursor_execute", record)
+        assert all(job is not None and job.job_id == job_id for job in reads)
+        assert set(executed_on) == {threading.get_ident()}
+        assert {t.ident for t in threading.enumerate()} == threads  # no thread started
+    finally:
+        await db.close()

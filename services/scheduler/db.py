@@ -4,7 +4,8 @@ SQLite has one writer: the write engine holds a single connection, so write
 transactions queue in the pool (an asyncio wait) instead of contending for
 SQLite's write lock and sleeping in its busy handler; each starts with BEGIN
 IMMEDIATE. Reads use a second engine (WAL mode: readers never block the
-writer). PostgreSQL uses one engine for both and keeps its concurrency.
+writer), run on the event loop's own thread (`sqlite_inline`). PostgreSQL uses
+one engine for both and keeps its concurrency.
 Migrations (alembic) run at start, on the same driver.
 """
 
@@ -26,6 +27,8 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+
+from services.scheduler.sqlite_inline import inline_creator
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -62,12 +65,14 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _sqlite_engine(url: str, begin: str, **pool: Any) -> AsyncEngine:
+def _sqlite_engine(url: str, begin: str, inline: bool = False, **pool: Any) -> AsyncEngine:
     # No reset-on-return ROLLBACK: every session ends its own transaction, and with
     # aiosqlite each statement is a thread hop worth saving.
-    engine = create_async_engine(
-        url, connect_args={"timeout": 10}, pool_reset_on_return=None, **pool
-    )
+    if inline:
+        pool["async_creator"] = inline_creator(make_url(url).database or "", timeout=10)
+    else:
+        pool["connect_args"] = {"timeout": 10}
+    engine = create_async_engine(url, pool_reset_on_return=None, **pool)
     event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
 
     @event.listens_for(engine.sync_engine, "begin")
@@ -90,7 +95,7 @@ class Database:
         url = normalize_url(url)
         if url.startswith("sqlite"):
             writer = _sqlite_engine(url, "BEGIN IMMEDIATE", pool_size=1, max_overflow=0)
-            return cls(url, writer, _sqlite_engine(url, "BEGIN"))
+            return cls(url, writer, _sqlite_engine(url, "BEGIN", inline=True))
         engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
         return cls(url, engine, engine)
 
