@@ -7,7 +7,8 @@ token for the replica, an admin's for the submitters, as `make up` runs) and
 replica over
 ConnectController (a real stream client with ample capacity that records when
 each assignment arrives), then measures:
-- sustained submissions per second over N jobs from concurrent clients;
+- sustained submissions per second over N jobs from concurrent clients, each
+  job its own `SubmitJob` call, or `--batch` jobs per `SubmitJobs` call;
 - submit -> launch-granted latency (the assignment reaching the replica) p50/p99,
   submitting one job at a time with spare capacity.
 Prints one JSON line per database and mode, the secured modes with their
@@ -15,7 +16,7 @@ throughput relative to `none` (`cost_vs_none`, SPEC §14: under 10%). Targets
 (SPEC §15): >= 2,000/s, p99 <= 50 ms.
 
     .venv/bin/python bench/admission.py [--jobs 5000] [--latency-jobs 300] [--postgres URL]
-        [--only sqlite|postgres] [--modes none,tokens,tls]
+        [--only sqlite|postgres] [--modes none,tokens,tls] [--batch 1]
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ async def measure(
     jobs: int,
     latency_jobs: int,
     concurrency: int,
+    batch: int = 1,
 ) -> dict[str, float]:
     replica = BenchReplica(address, tokens["controller"])
     replica_task = asyncio.create_task(replica.run())
@@ -118,14 +120,21 @@ async def measure(
                 replica.waiters[reply.job_id] = future
                 granted = await asyncio.wait_for(future, 10)
             latencies.append((granted - start) * 1000)
-        # Throughput: concurrent submitters.
-        counter = iter(range(jobs))
+        # Throughput: concurrent submitters, one job per SubmitJob or `batch` per SubmitJobs.
+        counter = iter(range(0, jobs, batch))
+
+        def request(i: int) -> jpb.SubmitJobRequest:
+            return jpb.SubmitJobRequest(spec_yaml=SPEC, user="bench", idempotency_key=f"k{i}")
 
         async def submitter() -> None:
-            for i in counter:
-                await stub.SubmitJob(
-                    jpb.SubmitJobRequest(spec_yaml=SPEC, user="bench", idempotency_key=f"k{i}")
-                )
+            for first in counter:
+                if batch == 1:
+                    await stub.SubmitJob(request(first))
+                else:
+                    last = min(first + batch, jobs)
+                    await stub.SubmitJobs(
+                        jpb.SubmitJobsRequest(jobs=[request(i) for i in range(first, last)])
+                    )
 
         before = len(replica.assigned)
         replica.target = before + jobs
@@ -210,6 +219,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=5000)
     parser.add_argument("--latency-jobs", type=int, default=300)
     parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument(
+        "--batch", type=int, default=1, help="jobs per call: 1 uses SubmitJob, more SubmitJobs"
+    )
     parser.add_argument("--postgres", default="postgresql://postgres@127.0.0.1:5432/test")
     parser.add_argument("--only", choices=["sqlite", "postgres"])
     parser.add_argument("--modes", default="none,tokens,tls", help="security modes, in order")
@@ -231,7 +243,12 @@ def main() -> None:
                     figures: dict[str, object] = dict(
                         asyncio.run(
                             measure(
-                                address, callers, args.jobs, args.latency_jobs, args.concurrency
+                                address,
+                                callers,
+                                args.jobs,
+                                args.latency_jobs,
+                                args.concurrency,
+                                args.batch,
                             )
                         )
                     )
@@ -244,7 +261,8 @@ def main() -> None:
             elif baseline:
                 figures["cost_vs_none"] = round(1 - rate / baseline, 3)
             print(json.dumps({"bench": "admission", "database": kind, "security": mode,
-                              "jobs": args.jobs, **figures, "machine": machine()}),
+                              "jobs": args.jobs, "batch": args.batch, **figures,
+                              "machine": machine()}),
                   flush=True)  # fmt: skip
 
 
