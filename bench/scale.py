@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import signal
 import statistics
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -77,14 +79,15 @@ async def submit_all(stack: Stack, jobs: int, concurrency: int, batch: int) -> f
 
 async def watch_until_running(
     stack: Stack, jobs: int, timeout: float, after: int = 0
-) -> dict[int, dict[str, float]]:
+) -> dict[int, dict[str, Any]]:
     """Event times per job (submitted, starting, running) until `jobs` jobs are RUNNING.
 
     A watch that falls too far behind is cut off (RESOURCE_EXHAUSTED); it resumes
     after the last event it saw, as any client should.
     """
-    times: dict[int, dict[str, float]] = {}
+    times: dict[int, dict[str, Any]] = {}
     running = 0
+    started = time.time()
     async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         while running < jobs:
@@ -99,11 +102,15 @@ async def watch_until_running(
                         seen.setdefault("submitted", at)
                     elif event.message.startswith("admitted on "):
                         seen.setdefault("admitted", at)
+                        seen.setdefault("replica", event.message.removeprefix("admitted on "))
                     elif event.status == job_pb2.JOB_STATUS_STARTING:
                         seen.setdefault("starting", at)
                     elif event.status == job_pb2.JOB_STATUS_RUNNING and "running" not in seen:
                         seen["running"] = at
                         running += 1
+                        if running % 10_000 == 0:  # a long run can be followed on stderr
+                            progress = {"running": running, "s": round(time.time() - started, 1)}
+                            print(json.dumps(progress), file=sys.stderr, flush=True)
                         if running >= jobs:
                             stream.cancel()
                             break
@@ -157,6 +164,7 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         for name, (a, b) in stages.items()
     }
     replicas = [n for n in procs if n.startswith("controller")]
+    admitted_on = collections.Counter(str(t["replica"]) for t in times.values() if "replica" in t)
     per_job_kb = [
         (loaded_memory[n]["rss_mb"] - before_memory[n]["rss_mb"]) * 1024 * args.replicas / args.jobs
         for n in replicas
@@ -170,6 +178,7 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         "submissions_per_s": round(args.jobs / submit_seconds, 1),
         "submit_to_launch": summary(to_launch, "ms"),
         "stages": breakdown,
+        "admitted_per_replica": dict(sorted(admitted_on.items())),
         "scheduler_cpu_ms_per_job": round(1000 * loaded_cpu["scheduler"] / args.jobs, 2),
         "replica_cpu_ms_per_job": round(1000 * sum(loaded_cpu[n] for n in replicas) / args.jobs, 2),
         "cpu_ms_per_job": {
