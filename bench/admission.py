@@ -29,12 +29,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine
+from system import postgres_database
 
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import (
@@ -200,20 +200,6 @@ def run_scheduler(
     return process, address
 
 
-def postgres_database(admin_url: str) -> tuple[str, str]:
-    import asyncpg
-
-    name = f"mj_bench_{uuid.uuid4().hex[:8]}"
-
-    async def create() -> None:
-        conn = await asyncpg.connect(admin_url)
-        await conn.execute(f'CREATE DATABASE "{name}"')
-        await conn.close()
-
-    asyncio.run(create())
-    return admin_url.rsplit("/", 1)[0] + "/" + name, name
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--jobs", type=int, default=5000)
@@ -235,7 +221,7 @@ def main() -> None:
                 if kind == "sqlite":
                     url = f"sqlite:///{data_dir}/bench.db"
                 else:
-                    url, _ = postgres_database(args.postgres)
+                    url = postgres_database(args.postgres)
                 callers, flags = bench_security(data_dir, mode)
                 probe = ClientSecurity(None, callers["admin"].tls)
                 process, address = run_scheduler(url, data_dir, flags, probe)

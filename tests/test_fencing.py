@@ -116,3 +116,41 @@ async def test_a_backend_call_waits_for_the_stream_within_the_lease() -> None:
     link.connected.clear()
     now[0] = 200.0
     assert not await asyncio.wait_for(link.wait_lease(), 1)
+
+
+async def test_a_late_answer_on_a_live_stream_is_waited_for_not_taken_as_a_lost_lease() -> None:
+    """Under load the acknowledgements come late and the lease view runs out while the
+    stream is up: the scheduler still counts the lease (it renews on receipt), so a
+    backend call waits for the next acknowledgement instead of dropping the job."""
+    now = [100.0]
+    link = _link(now)
+    link.connected.set()
+    link._renewed(100.0)
+    now[0] = 120.0  # the view ran out at 109; no answer since
+    waiting = asyncio.create_task(link.wait_lease())
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    # An answer to a heartbeat sent long ago renews nothing: still waiting.
+    link._sent_at[7] = 101.0
+    link._acked(pb.ReportAck(ack_seq=7, accepted=True))
+    await asyncio.sleep(0.01)
+    assert not waiting.done()
+    # The answer to a fresh heartbeat, on the same stream: the call goes ahead.
+    link._sent_at[8] = 119.5
+    link._acked(pb.ReportAck(ack_seq=8, accepted=True))
+    assert await asyncio.wait_for(waiting, 1)
+
+
+async def test_a_renewal_on_a_new_stream_does_not_let_a_waiting_call_through() -> None:
+    """A reconnect's welcome comes before that stream's revokes: a call that was waiting
+    for its lease gives up rather than act for a job that may have moved."""
+    now = [100.0]
+    link = _link(now)
+    link.connected.set()
+    link._renewed(100.0)
+    now[0] = 120.0
+    waiting = asyncio.create_task(link.wait_lease())
+    await asyncio.sleep(0.01)
+    link._welcomed(pb.ControllerWelcome(lease_ttl_seconds=10.0), 119.9)
+    assert not await asyncio.wait_for(waiting, 1)
+    assert link.lease_valid()  # the new lease is there for calls made from now on

@@ -145,3 +145,23 @@ async def test_drain_hands_every_job_back_in_one_message_and_is_bounded(
     ]
     assert all(r.task is not None and r.task.done() for r in runners)
     assert replica.draining
+
+
+async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(
+    replica: Replica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream is up but no heartbeat was answered in time (a loaded scheduler): the
+    launch is not made, and the job goes back to the scheduler, which may still count
+    this replica's lease: it must not stay assigned to a replica that dropped it."""
+    notified: list[dict[str, object]] = []
+    monkeypatch.setattr(replica.link, "notify", lambda **message: notified.append(message))
+    replica.link.lease_ttl = 0.2  # how long a launch waits for a fresh answer
+    replica.link.connected.set()
+    message = assignment(11, 2)
+    message.assignment.launch_granted = True
+    await replica.on_message(message)
+    runner = replica.runners[11]
+    assert runner.task is not None
+    await asyncio.wait_for(runner.task, 5)
+    handbacks = [m["job_handback"] for m in notified if "job_handback" in m]
+    assert [[(j.job_id, j.epoch) for j in h.jobs] for h in handbacks] == [[(11, 2)]]  # type: ignore[attr-defined]

@@ -90,6 +90,9 @@ class Link:
         self.lease_ttl = 10.0
         self.heartbeat_interval = 2.0
         self.last_renewal = 0.0
+        # Set (and replaced) at each renewal; the welcomed streams are counted.
+        self._renewal = asyncio.Event()
+        self._streams = 0
         self._sent_at: dict[int, float] = {}
         self._lease_timer: asyncio.Task[None] | None = None
 
@@ -115,17 +118,37 @@ class Link:
         return self.connected.is_set() and self.lease_left() > 0
 
     async def wait_lease(self) -> bool:
-        """Waits (at most as long as the lease lasts) for the stream to be up; True if the
-        lease is valid then."""
+        """Waits for a lease the scheduler surely still counts; True once there is one.
+
+        While the stream is down: at most as long as the lease lasts. While it is up
+        but its last acknowledged heartbeat is too old (answers slowed by load): for
+        the next acknowledgement on this same stream, at most one TTL. The scheduler
+        keeps the lease until the stream falls silent, and ends the stream when it
+        gives the jobs away; a late answer is no reason to drop them. An answer on a
+        new stream does not count: that stream's revokes may still be on their way.
+        """
         left = self.lease_left()
         if left <= 0:
-            return False
+            return await self._renewed_on_this_stream()
         if not self.connected.is_set():
             try:
                 await asyncio.wait_for(self.connected.wait(), left)
             except TimeoutError:
                 return False
         return self.lease_valid()
+
+    async def _renewed_on_this_stream(self) -> bool:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.lease_ttl
+        stream = self._streams
+        while self.connected.is_set() and stream == self._streams:
+            try:
+                await asyncio.wait_for(self._renewal.wait(), max(0.0, end - loop.time()))
+            except TimeoutError:
+                return False
+            if stream == self._streams and self.lease_valid():
+                return True
+        return False
 
     # --- sending ---------------------------------------------------------------------------
 
@@ -260,6 +283,7 @@ class Link:
     def _welcomed(self, welcome: pb.ControllerWelcome, hello_sent: float) -> None:
         self.lease_ttl = welcome.lease_ttl_seconds or self.lease_ttl
         self.heartbeat_interval = welcome.heartbeat_interval_seconds or self.heartbeat_interval
+        self._streams += 1
         self._renewed(hello_sent or self._clock())
         if self._lease_timer is not None:
             self._lease_timer.cancel()
@@ -272,6 +296,8 @@ class Link:
 
     def _renewed(self, sent_at: float) -> None:
         self.last_renewal = max(self.last_renewal, sent_at)
+        self._renewal.set()
+        self._renewal = asyncio.Event()
 
     def _acked(self, ack: pb.ReportAck) -> None:
         sent_at = self._sent_at.pop(ack.ack_seq, None)

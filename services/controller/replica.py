@@ -37,7 +37,7 @@ from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
 from services.controller.joblog import LogsClient
 from services.controller.lifecycle import JobLifecycle, News, Watcher
-from services.controller.link import Link, MovedAway, Rejected
+from services.controller.link import LeaseLost, Link, MovedAway, Rejected
 from services.controller.metrics import MeteredBackend
 from services.controller.watch import ClusterWatch
 
@@ -124,6 +124,13 @@ class JobRunner:
                     job_id=self.job_id, epoch=self.epoch, failure_reason=reason
                 )
             )
+        except LeaseLost as error:
+            self.note(f"stopped: this replica's lease ran out ({error}); handing the job back")
+            # The scheduler may still count the lease (it renews on receipt, this replica
+            # from the send): tell it, or the job would stay assigned to no one running
+            # it. At a stale epoch the handback is refused, harmlessly.
+            held = pb.HeldJob(job_id=self.job_id, epoch=self.epoch)
+            self.replica.link.notify(job_handback=pb.JobHandback(jobs=[held]))
         except MovedAway as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
         except Rejected as error:
