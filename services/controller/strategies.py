@@ -316,8 +316,10 @@ class Strategy(abc.ABC):
                 await self.config.sleep(self.config.start_check_interval)
             try:
                 # The first look comes with the launch's answer when the backend gives it.
-                seen = handle.seen if not check and handle.seen else None
-                seen = seen or await self.backend.observe(handle)
+                if check == 0 and handle.seen is not None:
+                    seen = handle.seen
+                else:
+                    seen = await self.backend.observe(handle)
             except BackendError as error:
                 self.note(f"cannot read the task on {handle.cluster_name} yet: {error}")
                 continue
