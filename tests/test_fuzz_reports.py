@@ -265,6 +265,27 @@ async def test_a_refused_report_with_a_time_out_of_range_writes_nothing(app: Sch
         replica.close()
 
 
+async def test_a_report_on_the_last_possible_task_id_is_refused_and_the_stream_stays(
+    app: SchedulerApp,
+) -> None:
+    """The report of task 2**31 - 1 (a proto int32's largest) is about no task: refused
+    INVALID, not a failed batch (on PostgreSQL, reading task_id + 1 overflowed its column
+    and closed the stream)."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
+        replica = Replica(channel)
+        await replica.start(hello())
+        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
+        held = await fuzzer.hold_a_job()
+        before = await fuzzer.job(held.job_id)
+        last = pb.TaskTransition(
+            job_id=held.job_id, epoch=held.epoch, task_id=2**31 - 1, status=2, attempt=1
+        )
+        ack = await replica.report(pb.ConnectControllerRequest(transition=last))
+        assert ack.refusal == pb.REPORT_REFUSAL_INVALID
+        assert await fuzzer.job(held.job_id) == before
+        replica.close()
+
+
 async def test_texts_are_stored_as_they_can_be_and_names_too_long_are_refused(
     app: SchedulerApp,
 ) -> None:

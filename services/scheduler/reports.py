@@ -36,7 +36,7 @@ from typing import Any
 from sqlalchemy import select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.common.bounds import check_timestamp, quote
+from services.common.bounds import MAX_TASKS, check_timestamp, quote
 from services.common.errors import bound
 from services.common.statuses import (
     FAILED_GROUP,
@@ -200,8 +200,11 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
         if kind == "transition":
             t = request.transition
             job_ids.add(t.job_id)
-            # The task, and the next one in case this one finishes (the job moves on).
-            task_keys |= {(t.job_id, t.task_id), (t.job_id, t.task_id + 1)}
+            # The task, and the next one in case this one finishes (the job moves on);
+            # no job has a task past MAX_TASKS (and task_id + 1 may overflow a column).
+            task_keys.add((t.job_id, t.task_id))
+            if t.task_id + 1 < MAX_TASKS:
+                task_keys.add((t.job_id, t.task_id + 1))
             if t.attempt > 0:
                 attempt_keys.add((t.job_id, t.task_id, t.attempt))
         elif kind == "job_finished":
