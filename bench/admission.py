@@ -46,6 +46,7 @@ from services.common.auth import Role, add_token
 from services.common.certs import make_certificates
 from services.common.channels import ClientSecurity, open_channel
 from services.common.tls import ClientTls
+from services.controller.link import unbatched
 from services.stack import free_port, wait_serving
 
 SPEC = "name: bench\nrun: echo hi\n"
@@ -79,19 +80,20 @@ class BenchReplica:
                     await asyncio.sleep(1)
                     yield pb.ConnectControllerRequest(heartbeat=pb.ControllerHeartbeat())
 
-            async for message in stub.ConnectController(requests()):
-                kind = message.WhichOneof("message")
-                if kind == "welcome":
-                    self.ready.set()
-                elif kind == "assignment":
-                    job_id = message.assignment.job.job_id
-                    now = time.perf_counter()
-                    self.assigned[job_id] = now
-                    waiter = self.waiters.pop(job_id, None)
-                    if waiter is not None and not waiter.done():
-                        waiter.set_result(now)
-                    if self.target and len(self.assigned) >= self.target:
-                        self.reached.set()
+            async for response in stub.ConnectController(requests()):
+                now = time.perf_counter()
+                for message in unbatched(response):
+                    kind = message.WhichOneof("message")
+                    if kind == "welcome":
+                        self.ready.set()
+                    elif kind == "assignment":
+                        job_id = message.assignment.job.job_id
+                        self.assigned[job_id] = now
+                        waiter = self.waiters.pop(job_id, None)
+                        if waiter is not None and not waiter.done():
+                            waiter.set_result(now)
+                        if self.target and len(self.assigned) >= self.target:
+                            self.reached.set()
 
 
 async def measure(

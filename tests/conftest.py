@@ -21,8 +21,11 @@ from hypothesis import settings as hypothesis_settings
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import job_service_pb2_grpc
+from services.common.edge import ServerSecurity
+from services.scheduler.admission import Limits
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
+from services.scheduler.main import SchedulerApp
 from services.scheduler.store import Store
 from services.stack import Stack
 
@@ -88,6 +91,15 @@ async def database(database_url: str) -> AsyncIterator[Database]:
     await db.migrate()
     yield db
     await db.close()
+
+
+@pytest.fixture
+async def app(database_url: str) -> AsyncIterator[SchedulerApp]:
+    """A scheduler on a real port, without authentication (tests of auth start their own)."""
+    scheduler = SchedulerApp(database_url, Limits(), security=ServerSecurity.without_auth())
+    await scheduler.start()
+    yield scheduler
+    await scheduler.close()
 
 
 @pytest.fixture

@@ -34,9 +34,8 @@ from hypothesis import strategies as st
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.common.edge import ServerSecurity
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
-from services.scheduler.admission import Limits
+from services.controller.link import unbatched
 from services.scheduler.main import SchedulerApp
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
@@ -81,14 +80,15 @@ class Replica:
         return self.seq
 
     async def _read(self) -> None:
-        while (message := await self.call.read()) is not grpc.aio.EOF:
-            assert isinstance(message, pb.ConnectControllerResponse)
-            kind = message.WhichOneof("message")
-            if kind == "assignment":
-                self.held = Held(message.assignment.job.job_id, message.assignment.epoch)
-                self.assigned.set()
-            elif kind == "ack" and message.ack.ack_seq in self.acks:
-                self.acks.pop(message.ack.ack_seq).set_result(message.ack)
+        while (response := await self.call.read()) is not grpc.aio.EOF:
+            assert isinstance(response, pb.ConnectControllerResponse)
+            for message in unbatched(response):
+                kind = message.WhichOneof("message")
+                if kind == "assignment":
+                    self.held = Held(message.assignment.job.job_id, message.assignment.epoch)
+                    self.assigned.set()
+                elif kind == "ack" and message.ack.ack_seq in self.acks:
+                    self.acks.pop(message.ack.ack_seq).set_result(message.ack)
 
     async def report(self, request: pb.ConnectControllerRequest) -> pb.ReportAck:
         """Sends one report; returns its ack."""
@@ -131,10 +131,11 @@ class Aimed:
         return request
 
 
-# Every message but `draining`, which would stop the scheduler sending the replica work
-# (draining has tests of its own); task transitions, the richest, half of the time.
+# Every message but `draining`, which would stop the scheduler sending the replica work,
+# and `batch`, whose requests are each answered on their own (both have tests of their
+# own); task transitions, the richest, half of the time.
 ENVELOPES = messages(pb.ConnectControllerRequest.DESCRIPTOR).filter(
-    lambda m: m.WhichOneof("message") != "draining"
+    lambda m: m.WhichOneof("message") not in ("draining", "batch")
 )
 TRANSITIONS = messages(pb.TaskTransition.DESCRIPTOR).map(
     lambda t: pb.ConnectControllerRequest(transition=t)
@@ -195,14 +196,6 @@ class Fuzzer:
         if after != before:
             return [f"refused ({ack.reason[:200]}), yet job {held.job_id} changed"]
         return []
-
-
-@pytest.fixture
-async def app(database_url: str) -> AsyncIterator[SchedulerApp]:
-    scheduler = SchedulerApp(database_url, Limits(), security=ServerSecurity.without_auth())
-    await scheduler.start()
-    yield scheduler
-    await scheduler.close()
 
 
 def hello(**changes: Any) -> pb.ControllerHello:

@@ -22,6 +22,7 @@ from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.auth import Role, add_token
 from services.common.channels import ClientSecurity, open_channel
+from services.controller.link import unbatched
 from services.scheduler.admission import Limits
 from services.scheduler.main import SchedulerApp
 
@@ -58,10 +59,11 @@ class Stream:
 
     async def read_assignments(self, count: int) -> None:
         while len(self.assigned) < count:
-            message = await asyncio.wait_for(self.call.read(), 5)
-            assert message is not grpc.aio.EOF
-            if message.WhichOneof("message") == "assignment":
-                self.assigned.append(message.assignment.job.job_id)
+            response = await asyncio.wait_for(self.call.read(), 5)
+            assert response is not grpc.aio.EOF
+            for message in unbatched(response):
+                if message.WhichOneof("message") == "assignment":
+                    self.assigned.append(message.assignment.job.job_id)
 
     def close(self) -> None:
         self.call.cancel()

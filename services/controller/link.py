@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -29,6 +29,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_ji
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
+from services.common.batches import Batches
 from services.common.channels import ClientSecurity, open_channel
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,15 @@ def _why(error: BaseException | None) -> str:
     if isinstance(error, grpc.aio.AioRpcError):
         return f"{error.code().name}: {error.details()}"
     return str(error)
+
+
+def unbatched(
+    response: pb.ConnectControllerResponse,
+) -> Sequence[pb.ConnectControllerResponse]:
+    """The messages a response from the scheduler carries: itself, or its batch's."""
+    if response.WhichOneof("message") == "batch":
+        return response.batch.messages
+    return (response,)
 
 
 class StreamBroken(Exception):
@@ -243,14 +253,16 @@ class Link:
             heartbeats: asyncio.Task[None] | None = None
             try:
                 async for response in call:
-                    if response.WhichOneof("message") == "welcome":
+                    kind = response.WhichOneof("message")
+                    if kind == "welcome":
                         self._welcomed(response.welcome, self._sent_at.pop(hello.seq, 0.0))
                         heartbeats = asyncio.create_task(self._heartbeats())
                         continue
-                    if response.WhichOneof("message") == "ack":
-                        self._acked(response.ack)
-                    else:
-                        await self._on_message(response)
+                    for message in unbatched(response):
+                        if message.WhichOneof("message") == "ack":
+                            self._acked(message.ack)
+                        else:
+                            await self._on_message(message)
             except grpc.aio.AioRpcError:
                 if heartbeats is None:
                     raise
@@ -270,15 +282,17 @@ class Link:
     ) -> AsyncIterator[pb.ConnectControllerRequest]:
         self._sent_at[hello.seq] = self._clock()
         yield hello
-        outbox = self._outbox
-        while True:
-            request = await outbox.get()
-            if request is None:
-                return
-            if request.WhichOneof("message") == "heartbeat":
-                # The lease is renewed from the moment the heartbeat leaves, once it is acked.
-                self._sent_at[request.seq] = self._clock()
-            yield request
+        # Whatever queued while the last message was being written goes as one.
+        batches = Batches(self._outbox)
+        while batch := await batches.next():
+            for request in batch:
+                if request.WhichOneof("message") == "heartbeat":
+                    # The lease is renewed from the moment the heartbeat leaves, once acked.
+                    self._sent_at[request.seq] = self._clock()
+            if len(batch) == 1:
+                yield batch[0]
+            else:
+                yield pb.ConnectControllerRequest(batch=pb.RequestBatch(requests=batch))
 
     def _welcomed(self, welcome: pb.ControllerWelcome, hello_sent: float) -> None:
         self.lease_ttl = welcome.lease_ttl_seconds or self.lease_ttl

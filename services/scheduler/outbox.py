@@ -28,11 +28,14 @@ class Stream:
     controller_id: str
     queue: asyncio.Queue[Message | None] = dataclasses.field(default_factory=asyncio.Queue)
     sent: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Why the scheduler ends the stream, when the replica broke the protocol.
+    error: Exception | None = None
 
     def put(self, message: Message) -> None:
         self.queue.put_nowait(message)
 
-    def close(self) -> None:
+    def close(self, error: Exception | None = None) -> None:
+        self.error = self.error or error
         self.queue.put_nowait(None)
 
 

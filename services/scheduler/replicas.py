@@ -30,7 +30,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, NoReturn
 
 import grpc
@@ -38,6 +38,7 @@ import grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
 from services.common.access import current_principal, require_controller
+from services.common.batches import MAX_BATCH_MESSAGES, Batches
 from services.common.bounds import BoundsError, check_controller_id, quote
 from services.common.errors import (
     AlreadyExists,
@@ -102,6 +103,25 @@ def check_hello(hello: pb.ControllerHello) -> None:
     for index, held in enumerate(hello.held_jobs):
         if held.job_id <= 0 or held.epoch < 0:
             refuse(f"held_jobs[{index}]", f"no job {held.job_id} at epoch {held.epoch}")
+
+
+def _unbatched(
+    envelope: pb.ConnectControllerRequest,
+) -> Sequence[pb.ConnectControllerRequest]:
+    """The requests an envelope carries: itself, or its batch's.
+
+    Raises:
+        InvalidArgument: a batch of more than MAX_BATCH_MESSAGES requests.
+    """
+    if envelope.WhichOneof("message") != "batch":
+        return (envelope,)
+    requests = envelope.batch.requests
+    if len(requests) > MAX_BATCH_MESSAGES:
+        raise InvalidArgument(
+            f"batch.requests: at most {MAX_BATCH_MESSAGES} per message, got {len(requests)}",
+            field="batch.requests",
+        )
+    return requests
 
 
 class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
@@ -241,12 +261,16 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         await self._reconcile(stream, hello)
         self.admission.connected(hello)
         reader = asyncio.create_task(self._read(lease, stream, request_iterator))
+        batches = Batches(stream.queue)
         try:
-            while True:
-                message = await stream.queue.get()
-                if message is None:
-                    break
-                yield message
+            # Whatever queued while the last message was being written goes as one.
+            while batch := await batches.next():
+                if len(batch) == 1:
+                    yield batch[0]
+                else:
+                    yield pb.ConnectControllerResponse(batch=pb.ResponseBatch(messages=batch))
+            if stream.error is not None:
+                raise stream.error
         finally:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
@@ -336,20 +360,27 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         queued = asyncio.Event()
         worker = asyncio.create_task(self._work(lease, stream, work, queued))
         try:
-            async for request in request_iterator:
+            async for envelope in request_iterator:
                 if lease.stream is not stream:
                     return
                 self._renew(lease)
-                kind = request.WhichOneof("message")
-                if kind == "heartbeat":
-                    ack = pb.ReportAck(ack_seq=request.seq, accepted=True)
-                    self.outbox.ack(lease.controller_id, ack)
-                elif kind == "draining":
-                    lease.draining = True
-                    self.admission.draining(lease.controller_id)
-                else:
-                    work.append(request)
-                    queued.set()
+                for request in _unbatched(envelope):
+                    kind = request.WhichOneof("message")
+                    if kind == "heartbeat":
+                        ack = pb.ReportAck(ack_seq=request.seq, accepted=True)
+                        self.outbox.ack(lease.controller_id, ack)
+                    elif kind == "draining":
+                        lease.draining = True
+                        self.admission.draining(lease.controller_id)
+                    else:
+                        work.append(request)
+                        queued.set()
+        except InvalidArgument as bad:
+            log.warning(
+                "replica stream refused",
+                extra={"controller_id": lease.controller_id, "error": str(bad)},
+            )
+            stream.close(bad)
         except (asyncio.CancelledError, grpc.aio.AioRpcError, grpc.aio.AbortError):
             raise
         except Exception:

@@ -110,6 +110,7 @@ class ConnectControllerRequest(_message.Message):
     JOB_FINISHED_FIELD_NUMBER: _builtins.int
     JOB_HANDBACK_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     @_builtins.property
     def hello(self) -> Global___ControllerHello: ...
@@ -127,6 +128,8 @@ class ConnectControllerRequest(_message.Message):
     def job_handback(self) -> Global___JobHandback: ...
     @_builtins.property
     def draining(self) -> Global___ControllerDraining: ...
+    @_builtins.property
+    def batch(self) -> Global___RequestBatch: ...
     def __init__(
         self,
         *,
@@ -139,16 +142,42 @@ class ConnectControllerRequest(_message.Message):
         job_finished: Global___JobFinished | None = ...,
         job_handback: Global___JobHandback | None = ...,
         draining: Global___ControllerDraining | None = ...,
+        batch: Global___RequestBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_finished", b"job_finished", "job_handback", b"job_handback", "launch_slot_release", b"launch_slot_release", "launch_slot_request", b"launch_slot_request", "message", b"message", "transition", b"transition"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_finished", b"job_finished", "job_handback", b"job_handback", "launch_slot_release", b"launch_slot_release", "launch_slot_request", b"launch_slot_request", "message", b"message", "transition", b"transition"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_finished", b"job_finished", "job_handback", b"job_handback", "launch_slot_release", b"launch_slot_release", "launch_slot_request", b"launch_slot_request", "message", b"message", "seq", b"seq", "transition", b"transition"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch", b"batch", "draining", b"draining", "heartbeat", b"heartbeat", "hello", b"hello", "job_finished", b"job_finished", "job_handback", b"job_handback", "launch_slot_release", b"launch_slot_release", "launch_slot_request", b"launch_slot_request", "message", b"message", "seq", b"seq", "transition", b"transition"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "heartbeat", "transition", "launch_slot_request", "launch_slot_release", "job_finished", "job_handback", "draining"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["hello", "heartbeat", "transition", "launch_slot_request", "launch_slot_release", "job_finished", "job_handback", "draining", "batch"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___ConnectControllerRequest: _TypeAlias = ConnectControllerRequest  # noqa: Y015
+
+@_typing.final
+class RequestBatch(_message.Message):
+    """Several requests in one message, handled in order as if each had come alone: each
+    keeps its own `seq` and gets its own ack. A batch holds neither a hello nor a batch
+    (such a request is refused as INVALID), and no more than 1,000 requests.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConnectControllerRequest]: ...
+    def __init__(
+        self,
+        *,
+        requests: _abc.Iterable[Global___ConnectControllerRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requests", b"requests"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestBatch: _TypeAlias = RequestBatch  # noqa: Y015
 
 @_typing.final
 class ControllerHello(_message.Message):
@@ -435,6 +464,7 @@ class ConnectControllerResponse(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     REVOKE_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     @_builtins.property
     def welcome(self) -> Global___ControllerWelcome: ...
@@ -448,6 +478,8 @@ class ConnectControllerResponse(_message.Message):
     def revoke(self) -> Global___JobRevoke: ...
     @_builtins.property
     def ack(self) -> Global___ReportAck: ...
+    @_builtins.property
+    def batch(self) -> Global___ResponseBatch: ...
     def __init__(
         self,
         *,
@@ -458,16 +490,41 @@ class ConnectControllerResponse(_message.Message):
         cancel: Global___JobCancel | None = ...,
         revoke: Global___JobRevoke | None = ...,
         ack: Global___ReportAck | None = ...,
+        batch: Global___ResponseBatch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "assignment", b"assignment", "cancel", b"cancel", "launch_slot_grant", b"launch_slot_grant", "message", b"message", "revoke", b"revoke", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "assignment", b"assignment", "batch", b"batch", "cancel", b"cancel", "launch_slot_grant", b"launch_slot_grant", "message", b"message", "revoke", b"revoke", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "assignment", b"assignment", "cancel", b"cancel", "launch_slot_grant", b"launch_slot_grant", "message", b"message", "revoke", b"revoke", "seq", b"seq", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "assignment", b"assignment", "batch", b"batch", "cancel", b"cancel", "launch_slot_grant", b"launch_slot_grant", "message", b"message", "revoke", b"revoke", "seq", b"seq", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "assignment", "launch_slot_grant", "cancel", "revoke", "ack"]  # noqa: Y015
+    _WhichOneofReturnType_message: _TypeAlias = _typing.Literal["welcome", "assignment", "launch_slot_grant", "cancel", "revoke", "ack", "batch"]  # noqa: Y015
     _WhichOneofArgType_message: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_message) -> _WhichOneofReturnType_message | None: ...
 
 Global___ConnectControllerResponse: _TypeAlias = ConnectControllerResponse  # noqa: Y015
+
+@_typing.final
+class ResponseBatch(_message.Message):
+    """Several messages in one, to be handled in order as if each had come alone. A batch
+    holds neither a welcome nor a batch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConnectControllerResponse]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___ConnectControllerResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResponseBatch: _TypeAlias = ResponseBatch  # noqa: Y015
 
 @_typing.final
 class ControllerWelcome(_message.Message):
