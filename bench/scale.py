@@ -105,6 +105,8 @@ async def watch_until_running(
                         seen.setdefault("replica", event.message.removeprefix("admitted on "))
                     elif event.status == job_pb2.JOB_STATUS_STARTING:
                         seen.setdefault("starting", at)
+                    elif event.status == job_pb2.JOB_STATUS_RECOVERING:
+                        seen["recoveries"] = seen.get("recoveries", 0) + 1
                     elif event.status == job_pb2.JOB_STATUS_RUNNING and "running" not in seen:
                         seen["running"] = at
                         running += 1
@@ -179,6 +181,8 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         "submit_to_launch": summary(to_launch, "ms"),
         "stages": breakdown,
         "admitted_per_replica": dict(sorted(admitted_on.items())),
+        # Nothing is preempted here (spot, but no preemption rate): a recovery is a bug.
+        "recoveries": sum(int(t.get("recoveries", 0)) for t in times.values()),
         "scheduler_cpu_ms_per_job": round(1000 * loaded_cpu["scheduler"] / args.jobs, 2),
         "replica_cpu_ms_per_job": round(1000 * sum(loaded_cpu[n] for n in replicas) / args.jobs, 2),
         "cpu_ms_per_job": {

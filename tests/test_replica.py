@@ -7,14 +7,21 @@ handed to it as its stream would, and what it does with them is checked.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.backends import ClusterEvent, ClusterHandle, ClusterStatus, Observation
+from services.backends import (
+    BackendError,
+    ClusterEvent,
+    ClusterHandle,
+    ClusterStatus,
+    Observation,
+    TaskStatus,
+)
 from services.backends.local import LocalBackend
 from services.backends.wrapper import BackendWrapper
 from services.common.channels import ClientSecurity
@@ -87,33 +94,86 @@ class Pushing(BackendWrapper):
     def __init__(self, inner: LocalBackend) -> None:
         super().__init__(inner)
         self.pushed: asyncio.Queue[ClusterEvent] = asyncio.Queue()
+        # What a look sees, when set (else the local backend's answer).
+        self.now: Observation | None = None
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         return self._events()
+
+    async def observe_many(
+        self, handles: Sequence[ClusterHandle]
+    ) -> dict[str, Observation | BackendError]:
+        if self.now is None:
+            return await super().observe_many(handles)
+        return {handle.cluster_name: self.now for handle in handles}
 
     async def _events(self) -> AsyncIterator[ClusterEvent]:
         while True:
             yield await self.pushed.get()
 
 
-async def test_closing_one_watcher_leaves_the_others_of_a_cluster_listening(
-    tmp_path: Path,
-) -> None:
-    """A job's old and new runner may watch one cluster name for a moment."""
+@pytest.fixture
+async def pushing(tmp_path: Path) -> AsyncIterator[tuple[Pushing, ClusterWatch]]:
     backend = Pushing(LocalBackend(tmp_path))
     hub = ClusterWatch(backend, poll_interval=3600)
     hub.start()
-    try:
-        handle = ClusterHandle("mj-1-0", "local")
-        old, new = hub.watch(handle), hub.watch(handle)
-        old.close()
-        news = Observation(ClusterStatus.DOWN)
-        await backend.pushed.put(ClusterEvent("mj-1-0", news))
-        assert await asyncio.wait_for(new.next(1), 2) == news
-        new.close()
-        assert hub.watched == 0 and hub.observe_calls == 0
-    finally:
-        await hub.close()
+    yield backend, hub
+    await hub.close()
+
+
+async def test_closing_one_watcher_leaves_the_others_of_a_cluster_listening(
+    pushing: tuple[Pushing, ClusterWatch],
+) -> None:
+    """A job's old and new runner may watch one cluster name for a moment."""
+    backend, hub = pushing
+    handle = ClusterHandle("mj-1-0", "local")
+    old, new = hub.watch(handle), hub.watch(handle)
+    old.close()
+    news = Observation(ClusterStatus.DOWN)
+    await backend.pushed.put(ClusterEvent("mj-1-0", news))
+    assert await asyncio.wait_for(new.next(1), 2) == news
+    new.close()
+    assert hub.watched == 0 and hub.observe_calls == 0
+
+
+UP = Observation(ClusterStatus.UP, TaskStatus.RUNNING, seq=5)
+
+
+async def test_pushed_news_older_than_the_launchs_own_look_is_not_taken_as_current(
+    pushing: tuple[Pushing, ClusterWatch],
+) -> None:
+    """The launch answered with the cluster UP (its look numbered 5); the event of the
+    cluster's INIT (numbered 3) arrives after it, as a lagging stream delivers it: it is
+    not news (taken as current, it looked like a preemption). Newer news is."""
+    backend, hub = pushing
+    watcher = hub.watch(ClusterHandle("mj-1-0", "local", seen=UP))
+    await backend.pushed.put(ClusterEvent("mj-1-0", Observation(ClusterStatus.INIT, seq=3)))
+    assert await watcher.next(0.2) is None
+    down = Observation(ClusterStatus.DOWN, seq=7)
+    await backend.pushed.put(ClusterEvent("mj-1-0", down))
+    assert await asyncio.wait_for(watcher.next(1), 2) == down
+    watcher.close()
+
+
+async def test_pushed_news_older_than_a_look_made_meanwhile_is_not_taken_as_current(
+    pushing: tuple[Pushing, ClusterWatch],
+) -> None:
+    """A lifecycle looks at its cluster (numbered 5) while an older event (3) waits
+    for it: after the look, that event is no news."""
+    backend, hub = pushing
+    handle = ClusterHandle("mj-1-0", "local")
+    watcher = hub.watch(handle)
+    await backend.pushed.put(ClusterEvent("mj-1-0", Observation(ClusterStatus.INIT, seq=3)))
+    await asyncio.sleep(0.05)  # delivered, not yet read
+    backend.now = UP
+    assert await hub.look(handle) == UP
+    assert await watcher.next(0.2) is None
+    # With a preemption notice, stale news gives way to a fresh look.
+    watcher.notice(1_900_000_000.0)
+    await backend.pushed.put(ClusterEvent("mj-1-0", Observation(ClusterStatus.INIT, seq=4)))
+    await asyncio.sleep(0.05)
+    assert await asyncio.wait_for(watcher.next(1), 2) == UP
+    watcher.close()
 
 
 @pytest.mark.parametrize("answered", [True, False], ids=["acked", "never-answered"])

@@ -494,14 +494,22 @@ async def test_watch_resumes_after_a_sequence_number(running: RunningCloud) -> N
         request = pb.LaunchRequest(cluster_name="r", job_id=1, epoch=1)
         await stub.Launch(request)
         call = stub.WatchEvents(pb.WatchEventsRequest(after_seq=1))
-        replies = []
-        async for reply in call:
-            replies.append(reply)
-            if len(replies) == 3:
-                break
+        hello = await call.read()
+        assert not hello.events
+        events: list[pb.ClusterEvent] = []
+        while len(events) < 2:
+            events += (await call.read()).events
         call.cancel()
-        assert [r.event.seq for r in replies[1:]] == [2, 3]
-        assert replies[1].event.cluster_status == pb.CLUSTER_STATUS_UP
+        assert [e.seq for e in events] == [2, 3]
+        assert events[0].cluster_status == pb.CLUSTER_STATUS_UP
+        # A read says which event it is as new as: the events numbered below are older.
+        cluster = (await stub.GetCluster(pb.GetClusterRequest(cluster_name="r"))).cluster
+        assert cluster.event_seq == 3
+        # Watched again from 1, both events are ready at once: they come in one message.
+        call = stub.WatchEvents(pb.WatchEventsRequest(after_seq=1))
+        assert not (await call.read()).events
+        assert [e.seq for e in (await call.read()).events] == [2, 3]
+        call.cancel()
 
 
 async def test_an_unreachable_cloud_is_reported_and_recovers(

@@ -186,6 +186,12 @@ class Observation:
     end: TaskEnd | None = None
     # A reclaim of the cluster was announced for this time (Unix seconds).
     notice_deadline: float | None = None
+    # Where the backend numbers its news (the sim cloud's event sequence): the number
+    # of the latest change this look includes; 0 where it does not. Pushed news is a
+    # snapshot taken when it happened and may arrive after a newer look: news numbered
+    # below the newest already seen is older than what is known, and is ignored. Two
+    # looks that say the same are equal, whatever their numbers.
+    seq: int = dataclasses.field(default=0, compare=False)
 
 
 @dataclasses.dataclass(frozen=True)

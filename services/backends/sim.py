@@ -177,7 +177,8 @@ def observation(message: pb.Cluster | pb.ClusterEvent) -> Observation:
     notice = None
     if status is ClusterStatus.UP and message.HasField("notice_deadline"):
         notice = message.notice_deadline.ToNanoseconds() / 1e9
-    return Observation(status, task, end, notice)
+    seq = message.event_seq if isinstance(message, pb.Cluster) else message.seq
+    return Observation(status, task, end, notice, seq)
 
 
 class SimBackend(Backend):
@@ -432,22 +433,22 @@ class SimBackend(Backend):
         call = self._cloud().WatchEvents(pb.WatchEventsRequest(after_seq=self._after_seq))
         try:
             async for reply in call:
-                if not reply.HasField("event"):
+                if not reply.events:
                     # The hello: resume from here if the stream breaks before any event.
                     self._after_seq = self._after_seq or reply.head_seq
                     continue
-                event = reply.event
-                self._after_seq = event.seq
-                deadline = None
-                if event.kind == pb.EVENT_KIND_PREEMPTION_NOTICE and event.HasField(
-                    "notice_deadline"
-                ):
-                    deadline = event.notice_deadline.ToNanoseconds() / 1e9
-                yield ClusterEvent(
-                    cluster_name=event.cluster_name,
-                    observation=observation(event),
-                    notice_deadline=deadline,
-                )
+                for event in reply.events:
+                    self._after_seq = event.seq
+                    deadline = None
+                    if event.kind == pb.EVENT_KIND_PREEMPTION_NOTICE and event.HasField(
+                        "notice_deadline"
+                    ):
+                        deadline = event.notice_deadline.ToNanoseconds() / 1e9
+                    yield ClusterEvent(
+                        cluster_name=event.cluster_name,
+                        observation=observation(event),
+                        notice_deadline=deadline,
+                    )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
                 # The events after our seq are gone, or the cloud restarted: start afresh;

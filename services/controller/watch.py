@@ -43,13 +43,17 @@ News = Observation | BackendError
 class Watcher:
     """One lifecycle's subscription to one cluster's news."""
 
-    __slots__ = ("_hub", "_news", "_wake", "handle", "notice_deadline")
+    __slots__ = ("_hub", "_news", "_noticed", "_seq", "_wake", "handle", "notice_deadline")
 
     def __init__(self, hub: ClusterWatch, handle: ClusterHandle) -> None:
         self._hub = hub
         self.handle = handle
         self._news: News | None = None
         self._wake = asyncio.Event()
+        self._noticed = False
+        # The number of the newest look at the cluster known here (Observation.seq): the
+        # launch's own, then every look and every piece of news.
+        self._seq = handle.seen.seq if handle.seen is not None else 0
         # Set when a preemption notice came for this cluster (Unix seconds of the reclaim).
         self.notice_deadline: float | None = None
 
@@ -61,21 +65,42 @@ class Watcher:
 
     def notice(self, deadline: float) -> None:
         self.notice_deadline = deadline
+        self._noticed = True
         self._wake.set()
+
+    def saw(self, news: News) -> None:
+        """A look at the cluster was made (by the lifecycle, or for it)."""
+        if isinstance(news, Observation) and news.seq > self._seq:
+            self._seq = news.seq
+
+    def _older(self, news: News) -> bool:
+        """Whether pushed news says less than a look already made: a snapshot from
+        before it (the event stream lags behind reads), never to be taken as current."""
+        return isinstance(news, Observation) and 0 < news.seq < self._seq
 
     async def next(self, timeout: float | None) -> News | None:
         """The latest news, waiting up to `timeout` seconds; None when none came."""
-        if not self._wake.is_set():
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                return None
-        self._wake.clear()
-        news, self._news = self._news, None
-        if news is None:
-            # Woken without news (a gap, or a notice): look now.
-            news = await self._hub.look(self.handle)
-        return news
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        while True:
+            if not self._wake.is_set():
+                try:
+                    left = None if end is None else max(0.0, end - loop.time())
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except TimeoutError:
+                    return None
+            self._wake.clear()
+            news, self._news = self._news, None
+            noticed, self._noticed = self._noticed, False
+            if news is not None and self._older(news):
+                if not noticed:
+                    continue  # nothing new: wait on
+                news = None
+            if news is None:
+                # Woken without news (a gap, or a notice): look now.
+                news = await self._hub.look(self.handle)
+            self.saw(news)
+            return news
 
     def close(self) -> None:
         self._hub._remove(self)
@@ -145,6 +170,8 @@ class ClusterWatch:
                 del self._looks[name]
             results = await self._observe([handle for handle, _ in batch.values()])
             for name, (_, futures) in batch.items():
+                for watcher in self._watchers.get(name, ()):
+                    watcher.saw(results[name])
                 for future in futures:
                     if not future.done():
                         future.set_result(results[name])

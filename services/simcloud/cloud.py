@@ -543,7 +543,7 @@ class Cloud:
             cluster.waiter.set_result(None)
 
     def _publish(self, kind: EventKind, cluster: Cluster, now: float, message: str) -> None:
-        self.events.publish(now, kind, cluster, message)
+        cluster.event_seq = self.events.publish(now, kind, cluster, message).seq
 
     # --- the operator API --------------------------------------------------------------------
 

@@ -106,6 +106,7 @@ class Cluster:
     __slots__ = (
         "cluster_id",
         "epoch",
+        "event_seq",
         "exit_code",
         "gone",
         "job_id",
@@ -162,6 +163,8 @@ class Cluster:
         self.plan = plan
         self.status = ClusterState.INIT
         self.task_status = TaskState.PENDING
+        # The seq of the latest event published about this cluster.
+        self.event_seq = 0
         self.exit_code = 0
         self.launch_time = launch_time
         self.up_time: float | None = None

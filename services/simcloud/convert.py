@@ -98,6 +98,7 @@ def cluster(clock: Clock, c: Cluster) -> pb.Cluster:
         notice_delivered_time=timestamp(clock, c.notice_delivered_time),
         notice_delivered_deadline=wall_timestamp(c.notice_delivered_deadline),
         sigterm_time=timestamp(clock, c.sigterm_time),
+        event_seq=c.event_seq,
     )
 
 

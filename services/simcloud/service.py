@@ -159,13 +159,17 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
         events.after(cursor, limit=0)
         yield pb.WatchEventsResponse(head_seq=events.head_seq)
         while True:
+            # Every event ready now goes in one message: under load, events pile up
+            # while the last message is being written, and share the next.
             batch = events.after(cursor)
-            for item in batch:
-                cursor = item.seq
+            if batch:
+                cursor = batch[-1].seq
+                clock = self.cloud.clock
                 yield pb.WatchEventsResponse(
-                    event=convert.event(self.cloud.clock, item), head_seq=events.head_seq
+                    events=[convert.event(clock, item) for item in batch],
+                    head_seq=events.head_seq,
                 )
-            if not batch:
+            else:
                 await events.wait()
                 self.cloud.check_reachable()
 

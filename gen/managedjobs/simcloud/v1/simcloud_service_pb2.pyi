@@ -347,6 +347,7 @@ class Cluster(_message.Message):
     NOTICE_DELIVERED_TIME_FIELD_NUMBER: _builtins.int
     NOTICE_DELIVERED_DEADLINE_FIELD_NUMBER: _builtins.int
     SIGTERM_TIME_FIELD_NUMBER: _builtins.int
+    EVENT_SEQ_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """Unique per launch; a name is reused across attempts, an id never."""
     name: _builtins.str
@@ -368,6 +369,10 @@ class Cluster(_message.Message):
     replaced: _builtins.bool
     """Terminated by a launch of the same name while still INIT or UP (and no Terminate
     under way).
+    """
+    event_seq: _builtins.int
+    """The sequence number of the latest event about this cluster: an event numbered
+    below it says something older than this record (WatchEvents lags behind a read).
     """
     @_builtins.property
     def launch_time(self) -> _timestamp_pb2.Timestamp: ...
@@ -427,10 +432,11 @@ class Cluster(_message.Message):
         notice_delivered_time: _timestamp_pb2.Timestamp | None = ...,
         notice_delivered_deadline: _timestamp_pb2.Timestamp | None = ...,
         sigterm_time: _timestamp_pb2.Timestamp | None = ...,
+        event_seq: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["launch_time", b"launch_time", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "preempt_time", b"preempt_time", "sigterm_time", b"sigterm_time", "task_end_time", b"task_end_time", "terminate_time", b"terminate_time", "up_time", b"up_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "launch_time", b"launch_time", "name", b"name", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "num_nodes", b"num_nodes", "preempt_time", b"preempt_time", "preempted", b"preempted", "region", b"region", "replaced", b"replaced", "sigterm_time", b"sigterm_time", "spot", b"spot", "status", b"status", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status", "terminate_time", b"terminate_time", "up_time", b"up_time", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "event_seq", b"event_seq", "exit_code", b"exit_code", "job_id", b"job_id", "launch_time", b"launch_time", "name", b"name", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "num_nodes", b"num_nodes", "preempt_time", b"preempt_time", "preempted", b"preempted", "region", b"region", "replaced", b"replaced", "sigterm_time", b"sigterm_time", "spot", b"spot", "status", b"status", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status", "terminate_time", b"terminate_time", "up_time", b"up_time", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -782,23 +788,25 @@ Global___WatchEventsRequest: _TypeAlias = WatchEventsRequest  # noqa: Y015
 class WatchEventsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    EVENT_FIELD_NUMBER: _builtins.int
     HEAD_SEQ_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     head_seq: _builtins.int
     """The latest sequence number when this message was sent."""
     @_builtins.property
-    def event(self) -> Global___ClusterEvent:
-        """Unset in the first message."""
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterEvent]:
+        """The events after those of the previous message, in sequence order: as many as
+        were ready when it was sent (at most 1000). None in the first message.
+        """
 
     def __init__(
         self,
         *,
-        event: Global___ClusterEvent | None = ...,
         head_seq: _builtins.int = ...,
+        events: _abc.Iterable[Global___ClusterEvent] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "head_seq", b"head_seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "head_seq", b"head_seq"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
