@@ -6,7 +6,8 @@ before, submits N long jobs as fast as the API takes them, and reports:
 - submit -> first launch (the job's STARTING event) p50/p99;
 - RSS and PSS of every process before and loaded, and per job for the replicas;
 - CPU seconds per job of the scheduler and the replicas while loading, and of every
-  process of the system (`cpu_ms_per_job`);
+  process of the system (`cpu_ms_per_job`), counted until every process is quiet
+  again (`settled_after_s` after all run: what the loading left behind is its cost);
 - idle CPU (percent of a core) of each process with every job running and
   nothing happening;
 - with --drain, SIGTERM to one replica: how long its drain took and how long
@@ -122,6 +123,17 @@ async def watch_until_running(
     return times
 
 
+def settle(procs: dict[str, psutil.Process], quiet: float = 5.0, limit: float = 60.0) -> float:
+    """Seconds until every process spent under `quiet` percent of a core in one second:
+    work the jobs' loading left behind (lifecycle log lines shipped and stored) is part
+    of their cost, not of the idle system's."""
+    start = time.time()
+    while time.time() - start < limit:
+        if max(idle_cpu(procs, 1.0).values()) < quiet:
+            break
+    return round(time.time() - start, 1)
+
+
 def idle_cpu(procs: dict[str, psutil.Process], seconds: float) -> dict[str, float]:
     before = {name: cpu_seconds(p) for name, p in procs.items()}
     time.sleep(seconds)
@@ -145,6 +157,7 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         )
         times = loop.run_until_complete(watch)
         all_running = max(t["running"] for t in times.values()) - start
+        figures["settled_after_s"] = settle(procs)
         loaded_cpu = {name: cpu_seconds(p) - before_cpu[name] for name, p in procs.items()}
         loaded_memory = {name: memory(p) for name, p in procs.items()}
         figures["idle_cpu_percent"] = idle_cpu(procs, args.idle_seconds)
