@@ -61,7 +61,7 @@ class Cancels:
         unstarted = [St.INACTIVE, St.WAITING]
         notices: list[tuple[str, int, int]] = []
         cancelled: list[int] = []
-        async with self.store.transaction() as txn:
+        async with self.store.transaction(urgent=True) as txn:
             session = txn.session
             rows = (
                 await session.execute(

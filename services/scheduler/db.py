@@ -29,6 +29,7 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from services.scheduler.sqlite_inline import inline_creator
+from services.scheduler.write_gate import WriteGate
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -104,9 +105,17 @@ class Database:
         return self.url.startswith("sqlite")
 
     @asynccontextmanager
-    async def write(self) -> AsyncIterator[AsyncSession]:
-        """A write transaction: committed on exit, rolled back on error."""
-        async with self._writer() as session, session.begin():
+    async def write(self, urgent: bool = False) -> AsyncIterator[AsyncSession]:
+        """A write transaction: committed on exit, rolled back on error.
+
+        On SQLite, `urgent` (a client waiting) goes before waiting background work
+        (`write_gate.py`).
+        """
+        if self.gate is None:
+            async with self._writer() as session, session.begin():
+                yield session
+            return
+        async with self.gate.turn(urgent), self._writer() as session, session.begin():
             yield session
 
     @asynccontextmanager
@@ -115,6 +124,7 @@ class Database:
             yield session
 
     def __post_init__(self) -> None:
+        self.gate = WriteGate() if self.is_sqlite else None
         self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
         self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
 

@@ -235,13 +235,17 @@ class Store:
     # --- the one door in ------------------------------------------------------------------
 
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[Txn]:
-        """A write transaction; its events and moves are published once it committed."""
+    async def transaction(self, urgent: bool = False) -> AsyncIterator[Txn]:
+        """A write transaction; its events and moves are published once it committed.
+
+        `urgent`: a client waits for it (a submission, a cancel); on SQLite it goes
+        before waiting background work.
+        """
         self.writes_in_flight += 1
         self.writes_started += 1
         try:
             try:
-                async with self.db.write() as session:
+                async with self.db.write(urgent) as session:
                     txn = Txn(session, self.clock())
                     yield txn
                     messages = await _insert_events(session, txn.events)
@@ -282,7 +286,7 @@ class Store:
         keys = {job.idempotency_key for job in jobs if job.idempotency_key}
         users = {job.user for job in jobs if job.idempotency_key}
         repeats: list[tuple[int, int]] = []
-        async with self.transaction() as txn:
+        async with self.transaction(urgent=True) as txn:
             existing: dict[tuple[str, str], int] = {}
             if keys:
                 rows = await txn.session.execute(
