@@ -48,6 +48,39 @@ async def test_no_launch_or_terminate_without_a_lease(tmp_path: Path) -> None:
     assert not await backend.cluster_exists("mj-1-0")
 
 
+async def test_a_draining_replica_changes_nothing_even_with_its_lease(tmp_path: Path) -> None:
+    """Once the replica drains its jobs are the scheduler's again: with the lease still
+    valid, no launch, stop, terminate or notice reaches the backend. (The drain sends
+    the jobs back while the runners are still unwinding; this is what makes it safe.)"""
+    draining = {"yes": False}
+
+    async def wait_lease() -> bool:
+        return True
+
+    backend = LocalBackend(tmp_path)
+    guard = LeaseGuard(backend, wait_lease, lambda: draining["yes"])
+    request = TaskRequest(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
+    handle = await guard.launch(request)
+    try:
+        draining["yes"] = True
+        with pytest.raises(MovedAway):
+            await guard.launch(
+                TaskRequest(job_id=2, task_id=0, epoch=1, cluster_name="mj-2-0", run="true")
+            )
+        assert not await backend.cluster_exists("mj-2-0")
+        for call in (
+            guard.terminate(handle, 3),
+            guard.stop(handle, 3, 0.0),
+            guard.notify_preemption(handle, 3, 0.0),
+        ):
+            with pytest.raises(MovedAway):
+                await call
+        assert await backend.cluster_exists("mj-1-0")
+        assert (await guard.observe(handle)).cluster.name == "UP"
+    finally:
+        await backend.terminate(handle, 3)
+
+
 def test_lease_lost_stops_a_job_like_a_move_away() -> None:
     assert issubclass(LeaseLost, MovedAway)
 

@@ -7,6 +7,7 @@ handed to it as its stream would, and what it does with them is checked.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from services.backends.wrapper import BackendWrapper
 from services.common.channels import ClientSecurity
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
+from services.controller.link import MovedAway
 from services.controller.replica import Replica
 from services.controller.watch import ClusterWatch
 from services.scheduler.spec import parse_job_spec
@@ -205,6 +207,52 @@ async def test_drain_hands_every_job_back_in_one_message_and_is_bounded(
     ]
     assert all(r.task is not None and r.task.done() for r in runners)
     assert replica.draining
+
+
+class SlowToUnwind:
+    """A runner whose stop takes a while to finish (tens of thousands together do)."""
+
+    def __init__(self, job_id: int, epoch: int) -> None:
+        self.job_id, self.epoch = job_id, epoch
+        self.unwound = asyncio.Event()
+        self.task = asyncio.create_task(self._run())
+
+    async def _run(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.sleep(0.2)
+            self.unwound.set()
+
+    def note(self, message: str) -> None:
+        pass
+
+    def stop(self) -> None:
+        self.task.cancel()
+
+
+async def test_drain_sends_the_jobs_back_while_the_runners_unwind(
+    replica: Replica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The jobs go back at once (the guard already refuses the runners any backend call
+    that changes anything), and the drain ends once every runner has unwound."""
+    slow = SlowToUnwind(21, 4)
+    replica.runners[21] = slow  # type: ignore[assignment]
+    unwound_at_handback: list[bool] = []
+
+    async def call(**message: object) -> pb.ReportAck:
+        unwound_at_handback.append(slow.unwound.is_set())
+        return pb.ReportAck(accepted=True)
+
+    monkeypatch.setattr(replica.link, "call", call)
+    await asyncio.wait_for(replica.drain(), 5)
+    assert unwound_at_handback == [False]
+    assert slow.unwound.is_set() and slow.task.done()
+    # With a valid lease, the guard still refuses: the replica is draining.
+    replica.link.connected.set()
+    replica.link.last_renewal = time.monotonic()
+    with pytest.raises(MovedAway, match="draining"):
+        await replica.backend.terminate(ClusterHandle("mj-21-0", "local"), 4)
 
 
 async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(

@@ -4,8 +4,11 @@
 need the stream to the scheduler up and the lease valid: while the stream is
 down they wait (at most as long as the lease lasts), then raise `LeaseLost`;
 the job's runner then stops without cleanup (another replica owns the job now).
-Reads pass through. Every such call also carries the job's epoch, so a backend
-that can fence refuses it too: two layers, each tested on its own.
+Once the replica drains (`handed_back`), its jobs are the scheduler's again and
+every such call is refused at once (`MovedAway`): so the jobs can go back while
+the runners are still unwinding. Reads pass through. Every such call also
+carries the job's epoch, so a backend that can fence refuses it too: two layers,
+each tested on its own.
 """
 
 from __future__ import annotations
@@ -14,17 +17,26 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from services.backends import Backend, ClusterHandle, TaskRequest
 from services.backends.wrapper import BackendWrapper
-from services.controller.link import LeaseLost
+from services.controller.link import LeaseLost, MovedAway
 
 
 class LeaseGuard(BackendWrapper):
-    def __init__(self, inner: Backend, wait_lease: Callable[[], Awaitable[bool]]) -> None:
+    def __init__(
+        self,
+        inner: Backend,
+        wait_lease: Callable[[], Awaitable[bool]],
+        handed_back: Callable[[], bool] = lambda: False,
+    ) -> None:
         super().__init__(inner)
         self._wait_lease = wait_lease
+        self._handed_back = handed_back
 
     async def _check(self, what: str) -> None:
         if not await self._wait_lease():
             raise LeaseLost(f"lease lost; not calling {what}")
+        # Checked last, right before the call: nothing can be awaited in between.
+        if self._handed_back():
+            raise MovedAway(f"this replica is draining; not calling {what}")
 
     async def launch(
         self,

@@ -243,7 +243,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             scheduler_address, self.hello, self.on_message, self.on_lease_lost, security
         )
         self.metered = MeteredBackend(backend)
-        self.backend: Backend = LeaseGuard(self.metered, self.link.wait_lease)
+        self.backend: Backend = LeaseGuard(
+            self.metered, self.link.wait_lease, lambda: self.draining
+        )
         self.watch = ClusterWatch(self.backend, config.poll_interval)
         self._early_cancels: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._link_task: asyncio.Task[None] | None = None
@@ -330,6 +332,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
 
         Every runner stops at once; the jobs go back in one message, waited for at
         most `HANDBACK_TIMEOUT` seconds (past that, the lease expiry moves them).
+        From the first line on, the backend guard refuses every call that would
+        change anything, so the jobs go back while the runners are still unwinding
+        (tens of thousands take seconds); the drain ends once they all have.
         """
         self.draining = True
         self.link.notify(draining=pb.ControllerDraining())
@@ -337,16 +342,15 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         for runner in runners:
             runner.note(f"handed back: {self.controller_id} is draining")
             runner.stop()
+        if runners:
+            jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
+            with contextlib.suppress(Rejected, TimeoutError):
+                await asyncio.wait_for(
+                    self.link.call(job_handback=pb.JobHandback(jobs=jobs)), HANDBACK_TIMEOUT
+                )
         await asyncio.gather(
             *(r.task for r in runners if r.task is not None), return_exceptions=True
         )
-        if not runners:
-            return
-        jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
-        with contextlib.suppress(Rejected, TimeoutError):
-            await asyncio.wait_for(
-                self.link.call(job_handback=pb.JobHandback(jobs=jobs)), HANDBACK_TIMEOUT
-            )
 
     async def close(self) -> None:
         for runner in list(self.runners.values()):
