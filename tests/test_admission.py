@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import pytest
+
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
@@ -79,3 +83,46 @@ async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slo
     assert (counters.slots("fast").alive, counters.slots("slow").alive) == (51, 10)
     assert counters.slots("slow").launching == 10
     assert live_counts(counters.counts) == live_counts(await store.recount())
+
+
+async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_then(
+    store: Store,
+) -> None:
+    """A pass asks for the writer while another write holds it, and a better job is
+    submitted meanwhile (a client's submission goes first): the pass reads the queue in
+    its own transaction, so it admits the better job, not the one it would have picked
+    from a read made before it waited."""
+    if store.db.gate is None:
+        pytest.skip("PostgreSQL writes concurrently: no writer to wait for")
+    counters = Counters(store)
+    store.on_moves = counters.apply
+    outbox = Outbox()
+    stream = outbox.attach("c1")
+    admission = Admission(store, counters, outbox, Limits())
+    admission.connected(
+        pb.ControllerHello(controller_id="c1", capacity=pb.Capacity(max_launches=1, max_jobs=9))
+    )
+    first = await store.submit(job())
+    await admission.schedule()  # `first` takes the only launch slot
+    older, _ = await store.submit(job())
+    await store.move_many([first[0]], St.LAUNCHING, St.ALIVE, controller_id="c1")
+    release = asyncio.Event()
+
+    async def hold_the_writer() -> None:
+        async with store.transaction():
+            await release.wait()
+
+    holder = asyncio.create_task(hold_the_writer())
+    await asyncio.sleep(0)
+    admitting = asyncio.create_task(admission.schedule())
+    await asyncio.sleep(0.05)  # the pass waits for the writer
+    better = NewJob("j", "alice", 10, "", "", [job_pb2.TaskSpec(name="j", run="echo", num_nodes=1)])
+    submitting = asyncio.create_task(store.submit(better))
+    await asyncio.sleep(0.05)
+    release.set()
+    await asyncio.gather(holder, admitting)
+    better_id, _ = await submitting
+    sent = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    granted = [m.assignment.job.job_id for m in sent if m and m.HasField("assignment")]
+    assert granted[-1] == better_id
+    assert (await store.get_job(older)).schedule_state == St.WAITING  # type: ignore[union-attr]

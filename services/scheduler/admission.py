@@ -232,20 +232,28 @@ class Admission:
             room = min(self._global_launch_room(), self._global_job_room())
             if room <= 0 or self._best_replica(need_launch_room=True) is None:
                 return
-            rows = await self.store.queued(St.WAITING, None, min(room, BATCH))
-            plan: dict[str, list[int]] = {}
-            pending: Counter[str] = Counter()
-            for row in rows:
-                replica = self._best_replica(need_launch_room=True, pending=pending)
-                if replica is None:
-                    break
-                pending[replica.controller_id] += 1
-                plan.setdefault(replica.controller_id, []).append(row.id)
-            for cid, ids in plan.items():
-                moves, jobs = await self.store.move_many(
-                    ids, St.WAITING, St.LAUNCHING, assign_to=cid, message=f"{ADMITTED_ON}{cid}",
-                    fetch=True,
-                )  # fmt: skip
+            # The queue is read in the transaction that moves its jobs: on SQLite no other
+            # write commits in between, so a pass never admits past a job that was queued
+            # (and ranked ahead) by the time its admissions commit.
+            moved: list[tuple[str, list[Move], list[job_pb2.Job]]] = []
+            async with self.store.transaction() as txn:
+                rows = await self.store.queued(St.WAITING, None, min(room, BATCH), txn)
+                plan: dict[str, list[int]] = {}
+                pending: Counter[str] = Counter()
+                for row in rows:
+                    replica = self._best_replica(need_launch_room=True, pending=pending)
+                    if replica is None:
+                        break
+                    pending[replica.controller_id] += 1
+                    plan.setdefault(replica.controller_id, []).append(row.id)
+                for cid, ids in plan.items():
+                    moves, jobs = await self.store.move_many(
+                        ids, St.WAITING, St.LAUNCHING, assign_to=cid,
+                        message=f"{ADMITTED_ON}{cid}", fetch=True, txn=txn,
+                    )  # fmt: skip
+                    moved.append((cid, moves, jobs))
+            # Sent once committed.
+            for cid, moves, jobs in moved:
                 await self._assign(cid, moves, jobs, granted=True)
             if not rows or sum(pending.values()) < len(rows):
                 return

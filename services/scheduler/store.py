@@ -428,18 +428,28 @@ class Store:
     # --- admission ------------------------------------------------------------------------
 
     async def queued(
-        self, state: ScheduleState, controller_id: str | None, limit: int
+        self,
+        state: ScheduleState,
+        controller_id: str | None,
+        limit: int,
+        txn: Txn | None = None,
     ) -> list[Queued]:
-        """Jobs in `state` in admission order (priority, then submission)."""
+        """Jobs in `state` in admission order (priority, then submission); read in `txn`
+        when given (what it then moves was chosen from the latest committed queue)."""
         query = select(*QUEUED_COLUMNS).where(JobRow.schedule_state == state)
         if controller_id is not None:
             query = query.where(JobRow.controller_id == controller_id)
-        return await self._queued(query, limit)
+        return await self._queued(query, limit, txn)
 
     async def _queued(
-        self, query: Select[int, int, int, str | None, ScheduleState], limit: int
+        self,
+        query: Select[int, int, int, str | None, ScheduleState],
+        limit: int,
+        txn: Txn | None = None,
     ) -> list[Queued]:
         query = query.order_by(JobRow.priority.desc(), JobRow.id).limit(limit)
+        if txn is not None:
+            return [Queued(*row) for row in (await txn.session.execute(query)).all()]
         async with self.db.read() as session:
             return [Queued(*row) for row in (await session.execute(query)).all()]
 
@@ -476,13 +486,15 @@ class Store:
         assign_to: str | None = None,
         message: str = "",
         fetch: bool = False,
+        txn: Txn | None = None,
     ) -> tuple[list[Move], list[job_pb2.Job]]:
         """Moves many jobs from `old` to `new` in one conditional UPDATE (admission batches).
 
         Only jobs still in `old` (and held by `controller_id`, when given; by nobody when
         assigning) move; `assign_to` hands them to that replica with the next epoch.
         With `fetch`, the moved jobs (with their task specs, and the cancel flag as
-        committed with the move) are read in the same transaction.
+        committed with the move) are read in the same transaction: its own, or `txn`
+        (then nothing is committed yet when this returns).
         """
         if not job_ids:
             return [], []
@@ -498,20 +510,27 @@ class Store:
         query = query.values(**values).returning(
             JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task
         )
+        if txn is None:
+            async with self.transaction() as own:
+                return await self.move_many(
+                    job_ids, old, new, controller_id=controller_id, assign_to=assign_to,
+                    message=message, fetch=fetch, txn=own,
+                )  # fmt: skip
+        moves: list[Move] = []
+        rows = (
+            await txn.session.execute(query, execution_options={"synchronize_session": False})
+        ).all()
+        for job_id, epoch, status, task in rows:
+            # The assignment's event carries its new epoch, so the log tells who held what.
+            txn.event(job_id, task, status, new, message or new.name, epoch if assign_to else 0)
+            moves.append(
+                Move(int(job_id), controller_id, assign_to or controller_id, epoch, old, new)
+            )
+        txn.moves += moves
         jobs: list[job_pb2.Job] = []
-        async with self.transaction() as txn:
-            rows = (
-                await txn.session.execute(query, execution_options={"synchronize_session": False})
-            ).all()
-            for job_id, epoch, status, task in rows:
-                # The assignment's event carries its new epoch, so the log tells who held what.
-                txn.event(job_id, task, status, new, message or new.name, epoch if assign_to else 0)
-                txn.moves.append(
-                    Move(int(job_id), controller_id, assign_to or controller_id, epoch, old, new)
-                )
-            if fetch and rows:
-                jobs = await job_messages(txn.session, [int(r[0]) for r in rows])
-        return txn.moves, jobs
+        if fetch and rows:
+            jobs = await job_messages(txn.session, [int(r[0]) for r in rows])
+        return moves, jobs
 
     async def move(
         self,
