@@ -11,7 +11,7 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.counters import Counters, live_counts
-from services.scheduler.outbox import Outbox
+from services.scheduler.outbox import Outbox, Stream
 from services.scheduler.store import NewJob, Store
 
 S = JobStatus
@@ -26,17 +26,22 @@ def job(envs_bytes: int = 0) -> NewJob:
     return NewJob("j", "alice", 0, "", "", [spec])
 
 
-async def test_a_job_too_large_to_assign_fails_and_the_stream_carries_the_others(
-    store: Store,
-) -> None:
+def one_replica(store: Store, max_launches: int) -> tuple[Counters, Stream, Admission]:
+    """Admission over the store with one replica "c1" connected (room for 9 jobs)."""
     counters = Counters(store)
     store.on_moves = counters.apply
     outbox = Outbox()
     stream = outbox.attach("c1")
     admission = Admission(store, counters, outbox, Limits())
-    admission.connected(
-        pb.ControllerHello(controller_id="c1", capacity=pb.Capacity(max_launches=9, max_jobs=9))
-    )
+    capacity = pb.Capacity(max_launches=max_launches, max_jobs=9)
+    admission.connected(pb.ControllerHello(controller_id="c1", capacity=capacity))
+    return counters, stream, admission
+
+
+async def test_a_job_too_large_to_assign_fails_and_the_stream_carries_the_others(
+    store: Store,
+) -> None:
+    counters, stream, admission = one_replica(store, max_launches=9)
     small, _ = await store.submit(job())
     huge, _ = await store.submit(job(envs_bytes=3_600_000))
     after, _ = await store.submit(job())
@@ -94,14 +99,7 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     from a read made before it waited."""
     if store.db.gate is None:
         pytest.skip("PostgreSQL writes concurrently: no writer to wait for")
-    counters = Counters(store)
-    store.on_moves = counters.apply
-    outbox = Outbox()
-    stream = outbox.attach("c1")
-    admission = Admission(store, counters, outbox, Limits())
-    admission.connected(
-        pb.ControllerHello(controller_id="c1", capacity=pb.Capacity(max_launches=1, max_jobs=9))
-    )
+    _, stream, admission = one_replica(store, max_launches=1)
     first = await store.submit(job())
     await admission.schedule()  # `first` takes the only launch slot
     older, _ = await store.submit(job())

@@ -31,7 +31,7 @@ from services.scheduler import metrics
 from services.scheduler.counters import Counters
 from services.scheduler.outbox import Outbox, TooLarge
 from services.scheduler.reports import finish
-from services.scheduler.store import ADMITTED_ON, RESUMED_ON, Move, Store
+from services.scheduler.store import ADMITTED_ON, RESUMED_ON, Move, Queued, Store
 
 log = logging.getLogger(__name__)
 
@@ -211,20 +211,13 @@ class Admission:
         it), so only the job limit applies."""
         while self._orphans() and self._best_replica(need_launch_room=False) is not None:
             rows = await self.store.orphans(BATCH)
-            plan: dict[tuple[str, ScheduleState], list[int]] = {}
-            pending: Counter[str] = Counter()
-            for row in rows:
-                replica = self._best_replica(need_launch_room=False, pending=pending)
-                if replica is None:
-                    break
-                pending[replica.controller_id] += 1
-                plan.setdefault((replica.controller_id, row.schedule_state), []).append(row.id)
+            plan, placed = self._plan(rows, need_launch_room=False)
             for (cid, state), ids in plan.items():
                 moves, jobs = await self.store.move_many(
                     ids, state, state, assign_to=cid, message=f"{RESUMED_ON}{cid}", fetch=True
                 )
                 await self._assign(cid, moves, jobs, granted=False)
-            if not rows or sum(pending.values()) < len(rows):
+            if not rows or placed < len(rows):
                 return
 
     async def _admit_waiting(self) -> None:
@@ -238,15 +231,8 @@ class Admission:
             moved: list[tuple[str, list[Move], list[job_pb2.Job]]] = []
             async with self.store.transaction() as txn:
                 rows = await self.store.queued(St.WAITING, None, min(room, BATCH), txn)
-                plan: dict[str, list[int]] = {}
-                pending: Counter[str] = Counter()
-                for row in rows:
-                    replica = self._best_replica(need_launch_room=True, pending=pending)
-                    if replica is None:
-                        break
-                    pending[replica.controller_id] += 1
-                    plan.setdefault(replica.controller_id, []).append(row.id)
-                for cid, ids in plan.items():
+                plan, placed = self._plan(rows, need_launch_room=True)
+                for (cid, _), ids in plan.items():
                     moves, jobs = await self.store.move_many(
                         ids, St.WAITING, St.LAUNCHING, assign_to=cid,
                         message=f"{ADMITTED_ON}{cid}", fetch=True, txn=txn,
@@ -255,8 +241,23 @@ class Admission:
             # Sent once committed.
             for cid, moves, jobs in moved:
                 await self._assign(cid, moves, jobs, granted=True)
-            if not rows or sum(pending.values()) < len(rows):
+            if not rows or placed < len(rows):
                 return
+
+    def _plan(
+        self, rows: Sequence[Queued], need_launch_room: bool
+    ) -> tuple[dict[tuple[str, ScheduleState], list[int]], int]:
+        """Which replica takes each job, in order, while one has room: job ids by
+        (replica, schedule state), and how many jobs were placed."""
+        plan: dict[tuple[str, ScheduleState], list[int]] = {}
+        pending: Counter[str] = Counter()
+        for row in rows:
+            replica = self._best_replica(need_launch_room=need_launch_room, pending=pending)
+            if replica is None:
+                break
+            pending[replica.controller_id] += 1
+            plan.setdefault((replica.controller_id, row.schedule_state), []).append(row.id)
+        return plan, sum(pending.values())
 
     async def _assign(
         self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool
