@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 from google.protobuf import timestamp_pb2
 from sqlalchemy import Row
@@ -85,7 +85,21 @@ def job_message(row: JobLike, tasks: Iterable[TaskLike], with_specs: bool = Fals
     )
 
 
-def event_message(row: EventRow) -> job_pb2.JobEvent:
+class NewEvent(NamedTuple):
+    """An event as just inserted: what `event_message` reads, without building an ORM
+    row (about four times cheaper, for the thousands a handback writes at once)."""
+
+    id: int
+    job_id: int
+    task_id: int
+    status: int
+    schedule_state: int
+    time: dt.datetime
+    message: str
+    epoch: int = 0
+
+
+def event_message(row: EventRow | NewEvent) -> job_pb2.JobEvent:
     return job_pb2.JobEvent(
         event_id=row.id,
         job_id=row.job_id,

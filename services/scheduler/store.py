@@ -652,7 +652,7 @@ async def _insert_events(
         )
     ).all()
     return [
-        convert.event_message(EventRow(id=i, **values))
+        convert.event_message(convert.NewEvent(i, **values))
         for i, values in zip(ids, events, strict=True)
     ]
 
