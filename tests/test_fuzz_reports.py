@@ -214,6 +214,17 @@ def hello(**changes: Any) -> pb.ControllerHello:
     return message
 
 
+@contextlib.asynccontextmanager
+async def holding_a_job(app: SchedulerApp) -> AsyncIterator[tuple[Replica, Fuzzer, Held]]:
+    """A raw replica stream holding a job (a two-task chain) at its epoch."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
+        replica = Replica(channel)
+        await replica.start(hello())
+        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
+        yield replica, fuzzer, await fuzzer.hold_a_job()
+        replica.close()
+
+
 async def test_refused_reports_write_nothing_and_every_report_is_answered(
     app: SchedulerApp, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -236,11 +247,7 @@ async def test_refused_reports_write_nothing_and_every_report_is_answered(
 
 
 async def test_a_refused_report_with_a_time_out_of_range_writes_nothing(app: SchedulerApp) -> None:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
-        replica = Replica(channel)
-        await replica.start(hello())
-        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
-        held = await fuzzer.hold_a_job()
+    async with holding_a_job(app) as (replica, fuzzer, held):
         before = await fuzzer.job(held.job_id)
         starting = pb.TaskTransition(
             job_id=held.job_id, epoch=held.epoch, task_id=0, status=2, cluster_name="mj-x"
@@ -255,7 +262,6 @@ async def test_a_refused_report_with_a_time_out_of_range_writes_nothing(app: Sch
         ack = await replica.report(pb.ConnectControllerRequest(transition=starting))
         assert ack.accepted
         assert (await fuzzer.job(held.job_id)).tasks[0].cluster_name == "mj-x"
-        replica.close()
 
 
 async def test_a_report_on_the_last_possible_task_id_is_refused_and_the_stream_stays(
@@ -264,11 +270,7 @@ async def test_a_report_on_the_last_possible_task_id_is_refused_and_the_stream_s
     """The report of task 2**31 - 1 (a proto int32's largest) is about no task: refused
     INVALID, not a failed batch (on PostgreSQL, reading task_id + 1 overflowed its column
     and closed the stream)."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
-        replica = Replica(channel)
-        await replica.start(hello())
-        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
-        held = await fuzzer.hold_a_job()
+    async with holding_a_job(app) as (replica, fuzzer, held):
         before = await fuzzer.job(held.job_id)
         last = pb.TaskTransition(
             job_id=held.job_id, epoch=held.epoch, task_id=2**31 - 1, status=2, attempt=1
@@ -276,7 +278,6 @@ async def test_a_report_on_the_last_possible_task_id_is_refused_and_the_stream_s
         ack = await replica.report(pb.ConnectControllerRequest(transition=last))
         assert ack.refusal == pb.REPORT_REFUSAL_INVALID
         assert await fuzzer.job(held.job_id) == before
-        replica.close()
 
 
 async def test_texts_are_stored_as_they_can_be_and_names_too_long_are_refused(
@@ -284,11 +285,7 @@ async def test_texts_are_stored_as_they_can_be_and_names_too_long_are_refused(
 ) -> None:
     """PostgreSQL stores no NUL character and keeps a region to 64 characters: a report
     carrying either is made storable (never a failed batch that closes the stream)."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
-        replica = Replica(channel)
-        await replica.start(hello())
-        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
-        held = await fuzzer.hold_a_job()
+    async with holding_a_job(app) as (replica, fuzzer, held):
         starting = pb.TaskTransition(
             job_id=held.job_id, epoch=held.epoch, task_id=0, status=int(JobStatus.STARTING)
         )
@@ -303,7 +300,6 @@ async def test_texts_are_stored_as_they_can_be_and_names_too_long_are_refused(
         assert ack.accepted
         task = (await fuzzer.job(held.job_id)).tasks[0]
         assert task.region == "r" * 64 and len(task.failure_reason.encode()) <= 16 * 1024
-        replica.close()
 
 
 @pytest.mark.parametrize(

@@ -10,12 +10,11 @@ it sends (an admission pass's assignments).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from test_fuzz_reports import Fuzzer, Held, Replica, hello
+from test_fuzz_reports import Replica, hello, holding_a_job
 
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
@@ -62,17 +61,6 @@ async def test_a_batch_stays_under_its_bytes_and_a_big_message_goes_alone() -> N
     assert [m.ack.ack_seq for m in await batches.next()] == [1]
     assert [m.ack.ack_seq for m in await batches.next()] == [2]
     assert [m.ack.ack_seq for m in await batches.next()] == [3, 4]
-
-
-@contextlib.asynccontextmanager
-async def holding_a_job(app: SchedulerApp) -> AsyncIterator[tuple[Replica, Fuzzer, Held]]:
-    """A raw replica stream holding a job (a two-task chain) at its epoch."""
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
-        replica = Replica(channel)
-        await replica.start(hello())
-        fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
-        yield replica, fuzzer, await fuzzer.hold_a_job()
-        replica.close()
 
 
 def send_batch(
