@@ -53,6 +53,7 @@ from system import (
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.scheduler.api import MAX_JOB_IDS
+from services.scheduler.store import RESUMED_ON
 from services.stack import Stack
 
 
@@ -224,7 +225,9 @@ async def held_by(stack: Stack, controller_id: str) -> set[int]:
 
 
 async def running_again(stack: Stack, ids: set[int], since: float, timeout: float) -> float:
-    """When the last of `ids` reported RUNNING after `since` (Unix seconds).
+    """When the last of `ids` was RUNNING on another replica after `since` (Unix seconds):
+    its "resumed on" event, the scheduler giving the running job to a new holder (the
+    handback's own event says RUNNING too, while the job is held by no one).
 
     Watches in chunks of at most `MAX_JOB_IDS` ids, the most one WatchJobs takes.
     """
@@ -237,7 +240,11 @@ async def running_again(stack: Stack, ids: set[int], since: float, timeout: floa
             async for response in stream:
                 event = response.event
                 at = event.time.ToNanoseconds() / 1e9
-                if event.status == job_pb2.JOB_STATUS_RUNNING and at > since:
+                if (
+                    event.status == job_pb2.JOB_STATUS_RUNNING
+                    and event.message.startswith(RESUMED_ON)
+                    and at > since
+                ):
                     waiting.discard(event.job_id)
                     last = max(last, at)
                     if not waiting:
