@@ -15,7 +15,7 @@ import pytest
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import job_service_pb2 as pb
-from managedjobs.v1 import job_service_pb2_grpc
+from managedjobs.v1 import job_service_pb2_grpc, log_service_pb2, log_service_pb2_grpc
 from services.common.statuses import JobStatus, ScheduleState
 from services.stack import Stack
 
@@ -73,6 +73,14 @@ def test_sigterm_hands_jobs_back_and_they_finish_elsewhere(stack: Stack) -> None
     assert {j.status for j in final} == {JobStatus.SUCCEEDED}
     assert {j.controller_id for j in final if j.job_id in held} == {"controller-2"}
     assert all(j.recovery_count == 0 for j in final)
+    # Each handed-back job's lifecycle log says so: the lines were stored before the
+    # handback (after it, the logs service takes none from the old holder).
+    with stack.channel(stack.logs_address) as channel:
+        logs = log_service_pb2_grpc.LogServiceStub(channel)
+        for job_id in held:
+            request = log_service_pb2.ReadLogsRequest(job_id=job_id, controller=True)
+            text = b"".join(r.data for r in logs.ReadLogs(request)).decode()
+            assert "handed back: controller-1 is draining" in text, text
     with stack.channel(stack.simcloud_address) as channel:
         cloud = spb_grpc.SimOperatorServiceStub(channel)
         state = cloud.GetCloudState(spb.GetCloudStateRequest())

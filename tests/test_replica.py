@@ -178,28 +178,66 @@ async def test_pushed_news_older_than_a_look_made_meanwhile_is_not_taken_as_curr
     watcher.close()
 
 
+class Journal:
+    """What a drain did, in order: lines noted and shipped, requests posted and
+    written, runners stopped and unwound (the replica's link and logs client stubbed)."""
+
+    def __init__(self, replica: Replica, monkeypatch: pytest.MonkeyPatch, answered: bool) -> None:
+        self.steps: list[tuple[object, ...]] = []
+        self.posted: list[dict[str, object]] = []
+        self.answered = answered
+        loop = asyncio.get_running_loop()
+        self.never: asyncio.Future[pb.ReportAck] = loop.create_future()
+        monkeypatch.setattr(replica.link, "post", self.post)
+        monkeypatch.setattr(replica.link, "notify", self.notify)
+        monkeypatch.setattr(replica.link, "written", self.written)
+        monkeypatch.setattr(replica.logs, "note", self.note)
+        monkeypatch.setattr(replica.logs, "shipped", self.shipped)
+
+    def post(self, **message: object) -> asyncio.Future[pb.ReportAck]:
+        answer: asyncio.Future[pb.ReportAck] = asyncio.get_running_loop().create_future()
+        if "job_handback" not in message:  # the runners' own requests: never answered
+            return answer
+        self.posted.append(message)
+        self.steps.append(("posted",))
+        if self.answered:
+            answer.set_result(pb.ReportAck(accepted=True))
+        return answer
+
+    def notify(self, **message: object) -> None:
+        if "job_handback" in message:
+            self.posted.append(message)
+            self.steps.append(("notified",))
+
+    async def written(self) -> None:
+        self.steps.append(("written",))
+
+    def note(self, job_id: int, epoch: int, message: str) -> None:
+        self.steps.append(("note", job_id, message))
+
+    async def shipped(self, job_id: int | None = None, timeout: float = 0) -> bool:
+        self.steps.append(("shipped",))
+        return True
+
+    def kinds(self) -> list[object]:
+        """The steps' kinds, repeats of one kind in a row shown once."""
+        kinds = [step[0] for step in self.steps]
+        return [k for i, k in enumerate(kinds) if i == 0 or kinds[i - 1] != k]
+
+
 @pytest.mark.parametrize("answered", [True, False], ids=["acked", "never-answered"])
 async def test_drain_hands_every_job_back_in_one_message_and_is_bounded(
     replica: Replica, monkeypatch: pytest.MonkeyPatch, answered: bool
 ) -> None:
     for job_id in range(1, 51):
         await replica.on_message(assignment(job_id, epoch=job_id % 3 + 1))
-    sent: list[dict[str, object]] = []
-    never: asyncio.Future[pb.ReportAck] = asyncio.get_running_loop().create_future()
-
-    async def call(**message: object) -> pb.ReportAck:
-        if "job_handback" not in message:  # the runners' own requests: never answered
-            return await asyncio.get_running_loop().create_future()
-        sent.append(message)
-        return pb.ReportAck(accepted=True) if answered else await never
-
-    monkeypatch.setattr(replica.link, "call", call)
+    journal = Journal(replica, monkeypatch, answered)
     monkeypatch.setattr("services.controller.replica.HANDBACK_TIMEOUT", 0.2)
     runners = list(replica.runners.values())
 
     await asyncio.wait_for(replica.drain(), 5)
 
-    [message] = sent
+    [message] = journal.posted
     handback = message["job_handback"]
     assert isinstance(handback, pb.JobHandback)
     assert sorted((j.job_id, j.epoch) for j in handback.jobs) == [
@@ -212,8 +250,9 @@ async def test_drain_hands_every_job_back_in_one_message_and_is_bounded(
 class SlowToUnwind:
     """A runner whose stop takes a while to finish (tens of thousands together do)."""
 
-    def __init__(self, job_id: int, epoch: int) -> None:
+    def __init__(self, job_id: int, epoch: int, journal: Journal) -> None:
         self.job_id, self.epoch = job_id, epoch
+        self.journal = journal
         self.unwound = asyncio.Event()
         self.task = asyncio.create_task(self._run())
 
@@ -223,36 +262,57 @@ class SlowToUnwind:
         finally:
             await asyncio.sleep(0.2)
             self.unwound.set()
+            self.journal.steps.append(("unwound", self.job_id))
 
     def note(self, message: str) -> None:
-        pass
+        self.journal.note(self.job_id, self.epoch, message)
 
     def stop(self) -> None:
+        self.journal.steps.append(("stopped", self.job_id))
         self.task.cancel()
 
 
-async def test_drain_sends_the_jobs_back_while_the_runners_unwind(
+async def test_drain_ships_the_lines_then_sends_the_jobs_back_then_stops_the_runners(
     replica: Replica, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The jobs go back at once (the guard already refuses the runners any backend call
-    that changes anything), and the drain ends once every runner has unwound."""
-    slow = SlowToUnwind(21, 4)
-    replica.runners[21] = slow  # type: ignore[assignment]
-    unwound_at_handback: list[bool] = []
+    """Each job's lifecycle log says it was handed back, shipped before the handback
+    (after it the logs service takes no line of these jobs from this replica); the
+    runners stop once the handback is written (stopping thousands fills the event loop,
+    which would hold it back), and the drain ends once they have all unwound."""
+    journal = Journal(replica, monkeypatch, answered=True)
+    slow = [SlowToUnwind(job_id, 4, journal) for job_id in (21, 22)]
+    for runner in slow:
+        replica.runners[runner.job_id] = runner  # type: ignore[assignment]
 
-    async def call(**message: object) -> pb.ReportAck:
-        unwound_at_handback.append(slow.unwound.is_set())
-        return pb.ReportAck(accepted=True)
-
-    monkeypatch.setattr(replica.link, "call", call)
     await asyncio.wait_for(replica.drain(), 5)
-    assert unwound_at_handback == [False]
-    assert slow.unwound.is_set() and slow.task.done()
+
+    assert journal.kinds() == ["note", "shipped", "posted", "written", "stopped", "unwound"]
+    assert [s[1:] for s in journal.steps if s[0] == "note"] == [
+        (21, "handed back: c1 is draining"),
+        (22, "handed back: c1 is draining"),
+    ]
+    assert all(r.unwound.is_set() and r.task.done() for r in slow)
     # With a valid lease, the guard still refuses: the replica is draining.
     replica.link.connected.set()
     replica.link.last_renewal = time.monotonic()
     with pytest.raises(MovedAway, match="draining"):
         await replica.backend.terminate(ClusterHandle("mj-21-0", "local"), 4)
+
+
+async def test_a_job_assigned_while_draining_goes_straight_back_unstarted(
+    replica: Replica, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assignment the scheduler sent before it knew of the drain is handed back at
+    once: no runner would stop it, nor hand it back, before this replica exits."""
+    journal = Journal(replica, monkeypatch, answered=True)
+    await replica.drain()
+    await replica.on_message(assignment(31, epoch=2))
+    assert 31 not in replica.runners
+    [message] = journal.posted
+    handback = message["job_handback"]
+    assert isinstance(handback, pb.JobHandback)
+    assert [(j.job_id, j.epoch) for j in handback.jobs] == [(31, 2)]
+    assert journal.steps == [("note", 31, "handed back: c1 is draining"), ("notified",)]
 
 
 async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(

@@ -22,7 +22,7 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1.scheduler_service_pb2_grpc import SchedulerServiceStub
 from services.common.batches import MAX_BATCH_MESSAGES, Batches
 from services.common.statuses import ScheduleState
-from services.controller.link import unbatched
+from services.controller.link import Link, unbatched
 from services.scheduler.main import SchedulerApp
 
 
@@ -157,3 +157,29 @@ async def test_the_assignments_of_one_admission_pass_share_messages(app: Schedul
         assert len(set(assigned)) == len(assigned) == 20
         assert messages < 20
         call.cancel()
+
+
+async def test_written_returns_once_what_was_sent_is_on_the_stream(app: SchedulerApp) -> None:
+    """A drain waits for its handback to be written before it floods the event loop by
+    stopping every runner: `written` returns once the requests sent so far left (their
+    acks come later), and at once while the stream is down (they go on the next)."""
+
+    async def nothing(*_: object) -> None:
+        return None
+
+    link = Link(f"127.0.0.1:{app.server.port}", hello, nothing, nothing)
+    early = link.post(heartbeat=pb.ControllerHeartbeat())
+    await asyncio.wait_for(link.written(), 1)  # not connected: nothing to wait for
+    running = asyncio.create_task(link.run())
+    try:
+        await asyncio.wait_for(link.connected.wait(), 10)
+        await asyncio.wait_for(early, 10)  # sent again on the stream, answered
+        answers = [link.post(heartbeat=pb.ControllerHeartbeat()) for _ in range(3)]
+        assert not link._outbox.empty()
+        await asyncio.wait_for(link.written(), 10)
+        assert link._outbox.empty()
+        acks = [await asyncio.wait_for(answer, 10) for answer in answers]
+        assert all(ack.accepted for ack in acks)
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)

@@ -75,8 +75,9 @@ class LogsClient:
         self._noted += 1
         self._wake.set()
 
-    async def shipped(self, job_id: int, timeout: float = SHIP_WAIT) -> bool:
-        """Waits until every line noted so far is shipped; False after `timeout` seconds."""
+    async def shipped(self, job_id: int | None = None, timeout: float = SHIP_WAIT) -> bool:
+        """Waits until every line noted so far is shipped; False after `timeout` seconds
+        (`job_id`: the job waiting, named in the warning)."""
         target = self._noted
         self._wake.set()
 

@@ -96,6 +96,11 @@ class Link:
             int, tuple[pb.ConnectControllerRequest, asyncio.Future[pb.ReportAck]]
         ] = {}
         self._outbox: asyncio.Queue[pb.ConnectControllerRequest | None] = asyncio.Queue()
+        # Requests put on this stream's outbox and written to it; `_wrote` is set (and
+        # replaced) after each write and when the stream ends.
+        self._queued = 0
+        self._written = 0
+        self._wrote = asyncio.Event()
         self.connected = asyncio.Event()
         self.lease_ttl = 10.0
         self.heartbeat_interval = 2.0
@@ -185,7 +190,7 @@ class Link:
         acked: asyncio.Future[pb.ReportAck] = loop.create_future()
         self._unacked[request.seq] = (request, acked)
         if self.connected.is_set():
-            self._outbox.put_nowait(request)
+            self._queue(request)
         answer: asyncio.Future[pb.ReportAck] = loop.create_future()
 
         def settle(done: asyncio.Future[pb.ReportAck]) -> None:
@@ -216,7 +221,22 @@ class Link:
     def notify(self, **message: Any) -> None:
         """Sends without waiting for an answer (dropped while disconnected)."""
         if self.connected.is_set():
-            self._outbox.put_nowait(self._envelope(**message))
+            self._queue(self._envelope(**message))
+
+    def _queue(self, request: pb.ConnectControllerRequest) -> None:
+        self._outbox.put_nowait(request)
+        self._queued += 1
+
+    async def written(self) -> None:
+        """Returns once every request sent so far was written to the stream (not yet
+        acked), or once the stream is down (what is unacked goes again on the next)."""
+        streams, target = self._streams, self._queued
+        while self.connected.is_set() and self._streams == streams and self._written < target:
+            await self._wrote.wait()
+
+    def _wake_writers(self) -> None:
+        self._wrote.set()
+        self._wrote = asyncio.Event()
 
     # --- the connection loop ---------------------------------------------------------------
 
@@ -247,6 +267,7 @@ class Link:
         async with open_channel(self.address, self._security) as channel:
             stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
             self._outbox = asyncio.Queue()
+            self._queued = self._written = 0
             hello = self._envelope(hello=self._hello())
             self._sent_at = {}
             call = stub.ConnectController(self._requests(hello), metadata=self._metadata)
@@ -270,6 +291,7 @@ class Link:
             finally:
                 self.connected.clear()
                 self._outbox.put_nowait(None)
+                self._wake_writers()
                 if heartbeats is not None:
                     heartbeats.cancel()
                 self._arm_lease_timer()
@@ -293,6 +315,9 @@ class Link:
                 yield batch[0]
             else:
                 yield pb.ConnectControllerRequest(batch=pb.RequestBatch(requests=batch))
+            # gRPC asks for the next message once this one is written.
+            self._written += len(batch)
+            self._wake_writers()
 
     def _welcomed(self, welcome: pb.ControllerWelcome, hello_sent: float) -> None:
         self.lease_ttl = welcome.lease_ttl_seconds or self.lease_ttl
@@ -305,7 +330,7 @@ class Link:
         self.connected.set()
         # Everything not acked on the last stream goes again, in order.
         for seq in sorted(self._unacked):
-            self._outbox.put_nowait(self._unacked[seq][0])
+            self._queue(self._unacked[seq][0])
         log.info("connected to the scheduler", extra={"address": self.address})
 
     def _renewed(self, sent_at: float) -> None:

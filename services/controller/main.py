@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
+import gc
 import logging
 import os
 import re
@@ -171,9 +173,18 @@ async def serve(a: argparse.Namespace, security: ServerSecurity, client: ClientS
         extra={"port": port, "controller_id": replica.controller_id, "pid": os.getpid()},
     )
     try:
-        await run_until_signal(server, a.shutdown_grace, drain=replica.drain)
+        await run_until_signal(server, a.shutdown_grace, drain=functools.partial(drain, replica))
     finally:
         await replica.close()
+
+
+async def drain(replica: Replica) -> None:
+    """The replica's drain, after which this process ends (`exit_now`). Stopping tens
+    of thousands of jobs leaves as many tracebacks in reference cycles; the cyclic
+    collector would scan the whole heap again and again to free what the exit frees
+    at once (with it on, a drain of 20,000 jobs took 5.1-6.5 s instead of ~3)."""
+    gc.disable()
+    await replica.drain()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -46,6 +46,8 @@ log = logging.getLogger(__name__)
 # Cancels remembered for assignments not yet arrived; the oldest are forgotten past this.
 EARLY_CANCELS = 10_000
 HANDBACK_TIMEOUT = 5.0
+# How long a drain waits for its jobs' last lifecycle lines to be stored.
+LINES_TIMEOUT = 3.0
 
 
 class LaunchSlot:
@@ -303,6 +305,14 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
 
     def _assign(self, assignment: pb.JobAssignment) -> None:
         job = assignment.job
+        if self.draining:
+            # Sent before the scheduler knew of the drain: straight back, never started.
+            self.logs.note(
+                job.job_id, assignment.epoch, f"handed back: {self.controller_id} is draining"
+            )
+            held = pb.HeldJob(job_id=job.job_id, epoch=assignment.epoch)
+            self.link.notify(job_handback=pb.JobHandback(jobs=[held]))
+            return
         current = self.runners.get(job.job_id)
         if current is not None:
             if current.epoch >= assignment.epoch:
@@ -330,24 +340,36 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
     async def drain(self) -> None:
         """Stops taking jobs and hands every job back, unfailed, for another replica.
 
-        Every runner stops at once; the jobs go back in one message, waited for at
-        most `HANDBACK_TIMEOUT` seconds (past that, the lease expiry moves them).
-        From the first line on, the backend guard refuses every call that would
-        change anything, so the jobs go back while the runners are still unwinding
-        (tens of thousands take seconds); the drain ends once they all have.
+        From the first line on, the backend guard refuses every call that would change
+        anything, so the runners may go on while the drain works:
+        1. each job's lifecycle log says it was handed back, and the lines are shipped
+           (at most `LINES_TIMEOUT` seconds): once the scheduler has the jobs back, the
+           logs service takes no more lines of them from this replica;
+        2. the jobs go back in one message, waited for at most `HANDBACK_TIMEOUT`
+           seconds (past that, the lease expiry moves them);
+        3. once that message is written, every runner stops. Tens of thousands of
+           them take seconds to unwind and would hold the message back behind them in
+           the event loop; written first, the scheduler's work on it overlaps theirs.
+        The drain ends once the answer came and every runner has unwound.
         """
         self.draining = True
         self.link.notify(draining=pb.ControllerDraining())
         runners = list(self.runners.values())
+        if not runners:
+            return
         for runner in runners:
             runner.note(f"handed back: {self.controller_id} is draining")
+        await self.logs.shipped(timeout=LINES_TIMEOUT)
+        jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
+        handback = self.link.post(job_handback=pb.JobHandback(jobs=jobs))
+        deadline = asyncio.get_running_loop().time() + HANDBACK_TIMEOUT
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.link.written(), HANDBACK_TIMEOUT)
+        for runner in runners:
             runner.stop()
-        if runners:
-            jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
-            with contextlib.suppress(Rejected, TimeoutError):
-                await asyncio.wait_for(
-                    self.link.call(job_handback=pb.JobHandback(jobs=jobs)), HANDBACK_TIMEOUT
-                )
+        remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+        with contextlib.suppress(Rejected, TimeoutError):
+            await asyncio.wait_for(handback, remaining)
         await asyncio.gather(
             *(r.task for r in runners if r.task is not None), return_exceptions=True
         )
