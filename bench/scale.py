@@ -10,8 +10,9 @@ before, submits N long jobs as fast as the API takes them, and reports:
   again (`settled_after_s` after all run: what the loading left behind is its cost);
 - idle CPU (percent of a core) of each process with every job running and
   nothing happening;
-- with --drain, SIGTERM to one replica: how long its drain took and how long
-  until its jobs were RUNNING again elsewhere (needs --replicas 2 or more).
+- with --drain, SIGTERM to one replica: how long until its process was gone, how
+  long until the other replicas held its jobs, still RUNNING (needs --replicas 2
+  or more), and the CPU seconds each process spent meanwhile.
 Targets (SPEC §15): 2,000 jobs all RUNNING in <= 5 s with one replica; 20,000 in
 <= 60 s with the replica <= 1 GiB and <= 5% of a core idle; scheduler <= 3 ms
 CPU per job; a drain of 20,000 jobs in <= 5 s, resumed within lease TTL + 2 s.
@@ -27,6 +28,7 @@ import collections
 import json
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -50,10 +52,9 @@ from system import (
     summary,
 )
 
-from managedjobs.v1 import job_pb2, job_service_pb2_grpc
+from managedjobs.v1 import job_pb2, job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
-from services.scheduler.api import MAX_JOB_IDS
-from services.scheduler.store import RESUMED_ON
+from managedjobs.v1 import scheduler_service_pb2 as spb
 from services.stack import Stack
 
 
@@ -163,7 +164,7 @@ def run(args: argparse.Namespace, data_dir: Path, database_url: str) -> dict[str
         loaded_memory = {name: memory(p) for name, p in procs.items()}
         figures["idle_cpu_percent"] = idle_cpu(procs, args.idle_seconds)
         if args.drain:
-            figures["drain"] = drain(stack, loop, args.timeout)
+            figures["drain"] = drain(stack, procs, loop, args.jobs, args.timeout)
         loop.close()
     to_launch = [
         (t["starting"] - t["submitted"]) * 1000
@@ -224,54 +225,58 @@ async def held_by(stack: Stack, controller_id: str) -> set[int]:
             request.page_token = reply.next_page_token
 
 
-async def running_again(stack: Stack, ids: set[int], since: float, timeout: float) -> float:
-    """When the last of `ids` was RUNNING on another replica after `since` (Unix seconds):
-    its "resumed on" event, the scheduler giving the running job to a new holder (the
-    handback's own event says RUNNING too, while the job is held by no one).
-
-    Watches in chunks of at most `MAX_JOB_IDS` ids, the most one WatchJobs takes.
-    """
+async def held_elsewhere(stack: Stack, victim: str, jobs: int, timeout: float) -> float:
+    """When the other replicas held all `jobs` jobs again (Unix seconds): the scheduler
+    gave each job the victim held, still RUNNING, to a new holder (its "resumed on"
+    event). Read from the scheduler's counters every 10 ms: watching the jobs' events
+    would cost this process and the scheduler more CPU than the move itself."""
+    deadline = time.time() + timeout
     async with channel(stack, stack.scheduler_address) as chan:
-        stub = job_service_pb2_grpc.JobServiceStub(chan)
-
-        async def watch(chunk: list[int]) -> float:
-            waiting, last = set(chunk), since
-            stream = stub.WatchJobs(jpb.WatchJobsRequest(job_ids=chunk), timeout=timeout)
-            async for response in stream:
-                event = response.event
-                at = event.time.ToNanoseconds() / 1e9
-                if (
-                    event.status == job_pb2.JOB_STATUS_RUNNING
-                    and event.message.startswith(RESUMED_ON)
-                    and at > since
-                ):
-                    waiting.discard(event.job_id)
-                    last = max(last, at)
-                    if not waiting:
-                        stream.cancel()
-                        break
-            return last
-
-        ordered = sorted(ids)
-        chunks = [ordered[i : i + MAX_JOB_IDS] for i in range(0, len(ordered), MAX_JOB_IDS)]
-        return max(await asyncio.gather(*(watch(c) for c in chunks)), default=since)
+        stub = scheduler_service_pb2_grpc.SchedulerServiceStub(chan)
+        while time.time() < deadline:
+            state = await stub.GetSchedulerState(spb.GetSchedulerStateRequest())
+            if sum(r.alive for r in state.replicas if r.controller_id != victim) >= jobs:
+                return time.time()
+            await asyncio.sleep(0.01)
+    raise TimeoutError(f"the jobs were not all held elsewhere after {timeout} s")
 
 
-def drain(stack: Stack, loop: asyncio.AbstractEventLoop, timeout: float) -> dict[str, float]:
-    """SIGTERM to the first replica: seconds to drain, and until its jobs run elsewhere."""
+async def exited(process: subprocess.Popen[bytes], timeout: float) -> float:
+    """When the process exited (Unix seconds), the event loop serving meanwhile."""
+    deadline = time.time() + timeout
+    while process.poll() is None:
+        if time.time() > deadline:
+            raise TimeoutError(f"pid {process.pid} still running after {timeout} s")
+        await asyncio.sleep(0.005)
+    return time.time()
+
+
+def drain(
+    stack: Stack,
+    procs: dict[str, psutil.Process],
+    loop: asyncio.AbstractEventLoop,
+    jobs: int,
+    timeout: float,
+) -> dict[str, object]:
+    """SIGTERM to the first replica: seconds to drain, and until its jobs run elsewhere,
+    with the CPU seconds every other process (and this one, watching) spent meanwhile."""
     victim = stack.controllers[0]
     ids = loop.run_until_complete(held_by(stack, victim.name))
+    others = {name: p for name, p in procs.items() if name != victim.name}
+    others["bench"] = psutil.Process()
+    before = {name: cpu_seconds(p) for name, p in others.items()}
     start = time.time()
     victim.signal(signal.SIGTERM)
-    again = loop.create_task(running_again(stack, ids, start, timeout))
+    again = loop.create_task(held_elsewhere(stack, victim.name, jobs, timeout))
     assert victim.process is not None
-    victim.process.wait(120)
-    drained = time.time() - start
+    drained = loop.run_until_complete(exited(victim.process, 120)) - start
     resumed = loop.run_until_complete(again) - start
+    cpu = {name: round(cpu_seconds(p) - before[name], 2) for name, p in others.items()}
     return {
         "jobs": len(ids),
         "drain_s": round(drained, 2),
         "running_elsewhere_s": round(resumed, 2),
+        "cpu_s": cpu,
     }
 
 
