@@ -236,12 +236,14 @@ def statements(store: Store) -> Iterator[list[str]]:
     def record(conn: object, cursor: object, statement: str, *args: object) -> None:
         seen.append(statement)
 
-    engine = store.db.write_engine.sync_engine
-    event.listen(engine, "before_cursor_execute", record)
+    engines = [engine.sync_engine for engine in store.db.write_engines]
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", record)
     try:
         yield seen
     finally:
-        event.remove(engine, "before_cursor_execute", record)
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", record)
 
 
 # A plan step that reads a whole table, or sorts every row a state holds: a cost that
@@ -262,7 +264,7 @@ async def test_hot_statements_use_indexes_on_sqlite(tmp_path: Path) -> None:
     ) -> None:
         seen.append((statement, parameters[0] if many else parameters))
 
-    engines = [db.write_engine.sync_engine, db.read_engine.sync_engine]
+    engines = [e.sync_engine for e in (*db.write_engines, db.read_engine)]
     for engine in engines:
         event.listen(engine, "before_cursor_execute", record)
     try:

@@ -1,11 +1,27 @@
 """SQLite's one writer in turns: a waiting client goes first, background work is never
-starved, and a waiter cancelled at any moment leaves the gate working."""
+starved, and a waiter cancelled at any moment leaves the gate working. A client's
+write runs on the event loop's thread, background writes on aiosqlite's worker, and
+the inline one never holds the loop long for a lock another process holds."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
-from services.scheduler.db import Database
+import pytest
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import OperationalError
+from test_store import new_job
+
+from services.common.errors import Unavailable
+from services.scheduler.db import INLINE_BUSY_MS, Database
+from services.scheduler.events import EventBus
+from services.scheduler.health import unavailable
+from services.scheduler.models import JobRow
+from services.scheduler.store import Store
 from services.scheduler.write_gate import WriteGate
 
 
@@ -105,3 +121,66 @@ async def test_a_waiter_cancelled_as_it_is_handed_the_turn_passes_it_on() -> Non
 def test_only_sqlite_has_a_gate(tmp_path: object) -> None:
     assert Database.open(f"sqlite:///{tmp_path}/x.db").gate is not None
     assert Database.open("postgresql://postgres@127.0.0.1:5432/test").gate is None
+
+
+@pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[Store]:
+    db = Database.open(f"sqlite:///{tmp_path / 'writers.db'}")
+    await db.migrate()
+    yield Store(db, EventBus())
+    await db.close()
+
+
+async def test_a_clients_write_runs_on_the_loops_thread_and_background_on_the_worker(
+    sqlite_store: Store,
+) -> None:
+    """A submission's statements run where the event loop does (no thread hand-off per
+    statement, nothing else interleaved); a background transaction's on aiosqlite's
+    worker thread, so the loop gathers the next batch of reports meanwhile. Seen from
+    SQLite itself: the thread each statement runs on."""
+    ran_on: dict[str, set[int]] = {"urgent": set(), "background": set()}
+    engines = {
+        "urgent": sqlite_store.db.urgent_engine,
+        "background": sqlite_store.db.write_engine,
+    }
+
+    def tracer(kind: str) -> Callable[[str], None]:
+        return lambda _statement: ran_on[kind].add(threading.get_ident())
+
+    for kind, engine in engines.items():
+        assert engine is not None
+        async with engine.connect() as conn:  # each engine's one writer connection
+            raw = (await conn.get_raw_connection()).driver_connection
+            raw._conn.set_trace_callback(tracer(kind))  # the sqlite3 connection beneath
+    [(job_id, _)] = await sqlite_store.submit_many([new_job()])
+    async with sqlite_store.transaction() as txn:
+        await txn.session.execute(select(JobRow.id).where(JobRow.id == job_id))
+    loop_thread = threading.get_ident()
+    assert ran_on["urgent"] == {loop_thread}
+    assert ran_on["background"] and loop_thread not in ran_on["background"]
+
+
+async def test_a_clients_write_gives_up_soon_on_a_lock_held_by_another_process(
+    sqlite_store: Store, tmp_path: Path
+) -> None:
+    """Only another process can hold SQLite's write lock (the scheduler's writes take
+    turns). The inline writer waits for it at most INLINE_BUSY_MS (the loop stands still
+    meanwhile), then fails as a database that is away: UNAVAILABLE, nothing stored."""
+    assert sqlite_store.db.urgent_engine is not None
+    async with sqlite_store.db.urgent_engine.connect() as conn:
+        busy = (await conn.execute(text("PRAGMA busy_timeout"))).scalar()
+        await conn.rollback()
+    assert busy == INLINE_BUSY_MS
+    other = sqlite3.connect(tmp_path / "writers.db", isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(OperationalError, match="locked") as raised:
+            await sqlite_store.submit_many([new_job()])
+        assert isinstance(unavailable(raised.value), Unavailable)
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
+    async with sqlite_store.db.read() as session:
+        assert await session.scalar(select(func.count()).select_from(JobRow)) == 0
+    # The lock released, the next submission goes through.
+    assert len(await sqlite_store.submit_many([new_job()])) == 1

@@ -1,17 +1,22 @@
 """Database engines: a SQLite file by default, PostgreSQL when given a URL.
 
-SQLite has one writer: the write engine holds a single connection, so write
-transactions queue in the pool (an asyncio wait) instead of contending for
-SQLite's write lock and sleeping in its busy handler; each starts with BEGIN
-IMMEDIATE. Reads use a second engine (WAL mode: readers never block the
-writer), run on the event loop's own thread (`sqlite_inline`). PostgreSQL uses
-one engine for both and keeps its concurrency.
+SQLite has one writer: write transactions take turns (`write_gate.py`, an
+asyncio wait) instead of contending for SQLite's write lock and sleeping in its
+busy handler; each starts with BEGIN IMMEDIATE. Background writes (admission,
+reports) run on aiosqlite's worker thread, so the event loop gathers the next
+batch of reports while one is written. A client's write (a submission, a cancel)
+runs on the event loop's own thread (`sqlite_inline`), start to commit without a
+thread hand-off per statement and without other work interleaved: its turn is
+short, and so is the wait of whatever comes next. Reads use a third engine (WAL
+mode: readers never block the writer), also inline. PostgreSQL uses one engine
+for everything and keeps its concurrency.
 Migrations (alembic) run at start, on the same driver.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -55,12 +60,19 @@ def normalize_url(url: str) -> str:
     return parsed.set(drivername=driver).render_as_string(hide_password=False)
 
 
-def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+# How long a statement on the event loop's thread may wait for a SQLite lock, which
+# only another process can hold (the scheduler's own writes take turns, and readers
+# never wait in WAL mode): the loop stands still meanwhile, so the statement fails
+# soon instead, as if the database were away.
+INLINE_BUSY_MS = 100
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_ms: int = 10_000) -> None:
     # Let SQLAlchemy's "begin" hook emit BEGIN itself.
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
-    cursor.execute("PRAGMA busy_timeout=10000")
+    cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
@@ -69,12 +81,13 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 def _sqlite_engine(url: str, begin: str, inline: bool = False, **pool: Any) -> AsyncEngine:
     # No reset-on-return ROLLBACK: every session ends its own transaction, and with
     # aiosqlite each statement is a thread hop worth saving.
+    busy_ms = INLINE_BUSY_MS if inline else 10_000
     if inline:
-        pool["async_creator"] = inline_creator(make_url(url).database or "", timeout=10)
+        pool["async_creator"] = inline_creator(make_url(url).database or "", busy_ms / 1000)
     else:
         pool["connect_args"] = {"timeout": 10}
     engine = create_async_engine(url, pool_reset_on_return=None, **pool)
-    event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    event.listen(engine.sync_engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=busy_ms))
 
     @event.listens_for(engine.sync_engine, "begin")
     def _begin(conn: Connection) -> None:
@@ -90,13 +103,19 @@ class Database:
     url: str
     write_engine: AsyncEngine
     read_engine: AsyncEngine
+    # SQLite: clients' writes, on the event loop's thread (the same writer, in turns).
+    urgent_engine: AsyncEngine | None = None
 
     @classmethod
     def open(cls, url: str) -> Database:
         url = normalize_url(url)
         if url.startswith("sqlite"):
-            writer = _sqlite_engine(url, "BEGIN IMMEDIATE", pool_size=1, max_overflow=0)
-            return cls(url, writer, _sqlite_engine(url, "BEGIN", inline=True))
+            return cls(
+                url,
+                _sqlite_engine(url, "BEGIN IMMEDIATE", pool_size=1, max_overflow=0),
+                _sqlite_engine(url, "BEGIN", inline=True),
+                _sqlite_engine(url, "BEGIN IMMEDIATE", inline=True, pool_size=1, max_overflow=0),
+            )
         engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
         return cls(url, engine, engine)
 
@@ -115,7 +134,8 @@ class Database:
             async with self._writer() as session, session.begin():
                 yield session
             return
-        async with self.gate.turn(urgent), self._writer() as session, session.begin():
+        sessions = self._urgent_writer if urgent else self._writer
+        async with self.gate.turn(urgent), sessions() as session, session.begin():
             yield session
 
     @asynccontextmanager
@@ -126,6 +146,9 @@ class Database:
     def __post_init__(self) -> None:
         self.gate = WriteGate() if self.is_sqlite else None
         self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
+        self._urgent_writer = async_sessionmaker(
+            self.urgent_engine or self.write_engine, expire_on_commit=False
+        )
         self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
 
     async def migrate(self) -> None:
@@ -133,8 +156,13 @@ class Database:
         async with self.write_engine.begin() as conn:
             await conn.run_sync(_upgrade)
 
+    @property
+    def write_engines(self) -> list[AsyncEngine]:
+        return [e for e in (self.write_engine, self.urgent_engine) if e is not None]
+
     async def close(self) -> None:
-        await self.write_engine.dispose()
+        for engine in self.write_engines:
+            await engine.dispose()
         if self.read_engine is not self.write_engine:
             await self.read_engine.dispose()
 

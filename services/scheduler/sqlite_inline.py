@@ -7,12 +7,13 @@ for statements that take microseconds on a local file. `InlineConnection`
 keeps aiosqlite's interface, which the dialect expects, and runs each call at
 once on the calling thread.
 
-Only the read engine uses it (see `db.py`). Writes keep aiosqlite's thread: a
-write transaction in flight there is what lets concurrent submissions and
-reports gather into the next batch. A read never waits for a lock (WAL: readers
-do not block the writer, nor the writer them), so a read run inline only ever
-holds the loop for its own work, as the Python that turns its rows into
-messages does anyway.
+The read engine and the engine of clients' writes use it (see `db.py`).
+Background writes keep aiosqlite's thread: a batch of reports in flight there
+is what lets the next reports gather into the next batch. A read never waits
+for a lock (WAL: readers do not block the writer, nor the writer them), and a
+client's write waits for none either (the scheduler's writes take turns, so the
+lock is free when its turn comes); run inline, either holds the loop only for
+its own work, as the Python that turns its rows into messages does anyway.
 """
 
 from __future__ import annotations
