@@ -8,19 +8,21 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import OperationalError
-from test_store import new_job
+from test_store import accepted, assign, new_job, transition
 
 from services.common.errors import Unavailable
+from services.common.statuses import JobStatus
 from services.scheduler.db import INLINE_BUSY_MS, Database
 from services.scheduler.events import EventBus
 from services.scheduler.health import unavailable
 from services.scheduler.models import JobRow
+from services.scheduler.reports import INLINE_BATCH
 from services.scheduler.store import Store
 from services.scheduler.write_gate import WriteGate
 
@@ -131,33 +133,49 @@ async def sqlite_store(tmp_path: Path) -> AsyncIterator[Store]:
     await db.close()
 
 
-async def test_a_clients_write_runs_on_the_loops_thread_and_background_on_the_worker(
-    sqlite_store: Store,
-) -> None:
-    """A submission's statements run where the event loop does (no thread hand-off per
-    statement, nothing else interleaved); a background transaction's on aiosqlite's
-    worker thread, so the loop gathers the next batch of reports meanwhile. Seen from
-    SQLite itself: the thread each statement runs on."""
-    ran_on: dict[str, set[int]] = {"urgent": set(), "background": set()}
-    engines = {
-        "urgent": sqlite_store.db.urgent_engine,
-        "background": sqlite_store.db.write_engine,
-    }
-
-    def tracer(kind: str) -> Callable[[str], None]:
-        return lambda _statement: ran_on[kind].add(threading.get_ident())
-
+async def traced(store: Store) -> dict[str, set[int]]:
+    """The threads SQLite runs each writer connection's statements on, from now on:
+    "inline" (clients' writes, small batches) and "worker" (other background work)."""
+    ran_on: dict[str, set[int]] = {"inline": set(), "worker": set()}
+    engines = {"inline": store.db.urgent_engine, "worker": store.db.write_engine}
     for kind, engine in engines.items():
         assert engine is not None
         async with engine.connect() as conn:  # each engine's one writer connection
             raw = (await conn.get_raw_connection()).driver_connection
-            raw._conn.set_trace_callback(tracer(kind))  # the sqlite3 connection beneath
-    [(job_id, _)] = await sqlite_store.submit_many([new_job()])
-    async with sqlite_store.transaction() as txn:
-        await txn.session.execute(select(JobRow.id).where(JobRow.id == job_id))
+            threads = ran_on[kind]
+            # The sqlite3 connection beneath: called on the thread that runs a statement.
+            raw._conn.set_trace_callback(lambda _sql, t=threads: t.add(threading.get_ident()))
+    return ran_on
+
+
+async def test_a_clients_write_and_a_small_batch_run_on_the_loops_thread(
+    sqlite_store: Store,
+) -> None:
+    """A submission's statements run where the event loop does (no thread hand-off per
+    statement, nothing else interleaved), and so do a small batch of reports'; a bigger
+    batch's run on aiosqlite's worker thread, so the loop gathers the next batch
+    meanwhile. Seen from SQLite itself: the thread each statement runs on."""
+    ran_on = await traced(sqlite_store)
     loop_thread = threading.get_ident()
-    assert ran_on["urgent"] == {loop_thread}
-    assert ran_on["background"] and loop_thread not in ran_on["background"]
+    ids = [job_id for job_id, _ in await sqlite_store.submit_many([new_job() for _ in range(9)])]
+    assert ran_on == {"inline": {loop_thread}, "worker": set()}
+    epochs = [await assign(sqlite_store, job_id) for job_id in ids]  # background, on the worker
+    assert ran_on["worker"] and loop_thread not in ran_on["worker"]
+    ran_on["inline"].clear()
+    ran_on["worker"].clear()
+
+    small = [transition(ids[0], epochs[0], JobStatus.STARTING, attempt=1)]
+    assert len(small) <= INLINE_BATCH
+    await accepted(sqlite_store, "c1", *small)
+    assert ran_on == {"inline": {loop_thread}, "worker": set()}
+    ran_on["inline"].clear()
+
+    pairs = zip(ids[1:], epochs[1:], strict=True)
+    big = [transition(j, e, JobStatus.STARTING, attempt=1) for j, e in pairs]
+    assert len(big) > INLINE_BATCH
+    await accepted(sqlite_store, "c1", *big)
+    assert ran_on["inline"] == set()
+    assert ran_on["worker"] and loop_thread not in ran_on["worker"]
 
 
 async def test_a_clients_write_gives_up_soon_on_a_lock_held_by_another_process(

@@ -7,9 +7,12 @@ reports) run on aiosqlite's worker thread, so the event loop gathers the next
 batch of reports while one is written. A client's write (a submission, a cancel)
 runs on the event loop's own thread (`sqlite_inline`), start to commit without a
 thread hand-off per statement and without other work interleaved: its turn is
-short, and so is the wait of whatever comes next. Reads use a third engine (WAL
-mode: readers never block the writer), also inline. PostgreSQL uses one engine
-for everything and keeps its concurrency.
+short, and so is the wait of whatever comes next. So does a batch of reports of
+a few requests, behind which nothing would gather anyway. (An admission pass
+stays on the thread even when small: run inline, its turns and the clients'
+fell into lockstep, one job each, and single-call admission dropped to ~300/s.)
+Reads use a third engine (WAL mode: readers never block the writer), also
+inline. PostgreSQL uses one engine for everything and keeps its concurrency.
 Migrations (alembic) run at start, on the same driver.
 """
 
@@ -103,7 +106,8 @@ class Database:
     url: str
     write_engine: AsyncEngine
     read_engine: AsyncEngine
-    # SQLite: clients' writes, on the event loop's thread (the same writer, in turns).
+    # SQLite: clients' writes (and small batches), on the event loop's thread; the same
+    # one writer, in turns.
     urgent_engine: AsyncEngine | None = None
 
     @classmethod
@@ -124,17 +128,22 @@ class Database:
         return self.url.startswith("sqlite")
 
     @asynccontextmanager
-    async def write(self, urgent: bool = False) -> AsyncIterator[AsyncSession]:
+    async def write(
+        self, urgent: bool = False, inline: bool | None = None
+    ) -> AsyncIterator[AsyncSession]:
         """A write transaction: committed on exit, rolled back on error.
 
         On SQLite, `urgent` (a client waiting) goes before waiting background work
-        (`write_gate.py`).
+        (`write_gate.py`), and runs on the event loop's thread unless `inline` says
+        otherwise; background work runs there when `inline` asks (a small batch, too
+        short for anything to gather behind it).
         """
         if self.gate is None:
             async with self._writer() as session, session.begin():
                 yield session
             return
-        sessions = self._urgent_writer if urgent else self._writer
+        on_loop = urgent if inline is None else inline
+        sessions = self._inline_writer if on_loop else self._writer
         async with self.gate.turn(urgent), sessions() as session, session.begin():
             yield session
 
@@ -146,7 +155,7 @@ class Database:
     def __post_init__(self) -> None:
         self.gate = WriteGate() if self.is_sqlite else None
         self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
-        self._urgent_writer = async_sessionmaker(
+        self._inline_writer = async_sessionmaker(
             self.urgent_engine or self.write_engine, expire_on_commit=False
         )
         self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
