@@ -137,7 +137,7 @@ async def traced(store: Store) -> dict[str, set[int]]:
     """The threads SQLite runs each writer connection's statements on, from now on:
     "inline" (clients' writes, small batches) and "worker" (other background work)."""
     ran_on: dict[str, set[int]] = {"inline": set(), "worker": set()}
-    engines = {"inline": store.db.urgent_engine, "worker": store.db.write_engine}
+    engines = {"inline": store.db.inline_engine, "worker": store.db.write_engine}
     for kind, engine in engines.items():
         assert engine is not None
         async with engine.connect() as conn:  # each engine's one writer connection
@@ -184,8 +184,8 @@ async def test_a_clients_write_gives_up_soon_on_a_lock_held_by_another_process(
     """Only another process can hold SQLite's write lock (the scheduler's writes take
     turns). The inline writer waits for it at most INLINE_BUSY_MS (the loop stands still
     meanwhile), then fails as a database that is away: UNAVAILABLE, nothing stored."""
-    assert sqlite_store.db.urgent_engine is not None
-    async with sqlite_store.db.urgent_engine.connect() as conn:
+    assert sqlite_store.db.inline_engine is not None
+    async with sqlite_store.db.inline_engine.connect() as conn:
         busy = (await conn.execute(text("PRAGMA busy_timeout"))).scalar()
         await conn.rollback()
     assert busy == INLINE_BUSY_MS

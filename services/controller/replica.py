@@ -307,9 +307,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         job = assignment.job
         if self.draining:
             # Sent before the scheduler knew of the drain: straight back, never started.
-            self.logs.note(
-                job.job_id, assignment.epoch, f"handed back: {self.controller_id} is draining"
-            )
+            self.logs.note(job.job_id, assignment.epoch, self._handed_back_line)
             held = pb.HeldJob(job_id=job.job_id, epoch=assignment.epoch)
             self.link.notify(job_handback=pb.JobHandback(jobs=[held]))
             return
@@ -337,6 +335,10 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             runner.note("lease lost: stopping")
             runner.stop()
 
+    @property
+    def _handed_back_line(self) -> str:
+        return f"handed back: {self.controller_id} is draining"
+
     async def drain(self) -> None:
         """Stops taking jobs and hands every job back, unfailed, for another replica.
 
@@ -358,7 +360,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         if not runners:
             return
         for runner in runners:
-            runner.note(f"handed back: {self.controller_id} is draining")
+            runner.note(self._handed_back_line)
         await self.logs.shipped(timeout=LINES_TIMEOUT)
         jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
         handback = self.link.post(job_handback=pb.JobHandback(jobs=jobs))

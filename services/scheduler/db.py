@@ -106,9 +106,9 @@ class Database:
     url: str
     write_engine: AsyncEngine
     read_engine: AsyncEngine
-    # SQLite: clients' writes (and small batches), on the event loop's thread; the same
-    # one writer, in turns.
-    urgent_engine: AsyncEngine | None = None
+    # SQLite: clients' writes and small report batches, on the event loop's thread; the
+    # same one writer as `write_engine`, in turns.
+    inline_engine: AsyncEngine | None = None
 
     @classmethod
     def open(cls, url: str) -> Database:
@@ -156,7 +156,7 @@ class Database:
         self.gate = WriteGate() if self.is_sqlite else None
         self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
         self._inline_writer = async_sessionmaker(
-            self.urgent_engine or self.write_engine, expire_on_commit=False
+            self.inline_engine or self.write_engine, expire_on_commit=False
         )
         self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
 
@@ -167,7 +167,7 @@ class Database:
 
     @property
     def write_engines(self) -> list[AsyncEngine]:
-        return [e for e in (self.write_engine, self.urgent_engine) if e is not None]
+        return [e for e in (self.write_engine, self.inline_engine) if e is not None]
 
     async def close(self) -> None:
         for engine in self.write_engines:

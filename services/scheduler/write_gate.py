@@ -1,13 +1,14 @@
 """SQLite's one writer, handed out in turns that put a waiting client first.
 
-SQLite runs one write transaction at a time, so writes queue for its one
-connection. In arrival order a client's submission waits behind whatever
-background work queued before it: an admission pass, a batch of reports, each
-a few milliseconds (a sequential client's `SubmitJob` waited ~12 ms there, four
-times its own transaction). The gate hands the writer to an urgent waiter (a
-client's submission or cancel) before background ones, but never to two urgent
-transactions in a row while background work waits: under a stream of
-submissions the turns alternate, so admission and reports are never starved.
+SQLite runs one write transaction at a time, so writes queue for it (over two
+connections, `db.py`: never both in a transaction). In arrival order a client's
+submission waits behind whatever background work queued before it: an admission
+pass, a batch of reports, each a few milliseconds (a sequential client's
+`SubmitJob` waited ~12 ms there, four times its own transaction). The gate hands
+the writer to an urgent waiter (a client's submission or cancel) before
+background ones, but never to two urgent transactions in a row while background
+work waits: under a stream of submissions the turns alternate, so admission and
+reports are never starved.
 
 PostgreSQL runs writes concurrently and has no gate.
 """
