@@ -284,9 +284,9 @@ class Recorder(Wrapped):
         self.launches.append(Launch(request.task_id, where, handle.region, granted))
         return handle
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         self.timeline.append(("terminate", handle.cluster_name))
-        await self.inner.terminate(handle, epoch, grace)
+        return await self.inner.terminate(handle, epoch, grace)
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
         stream = self.inner.events()
@@ -369,9 +369,9 @@ class NeverStartsFirst(Wrapped):
             self._stuck.add(request.cluster_name)
         return self.launched(handle)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         self._stuck.discard(handle.cluster_name)
-        await self.inner.terminate(handle, epoch, grace)
+        return await self.inner.terminate(handle, epoch, grace)
 
     def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
         if seen.task is not None and handle.cluster_name in self._stuck:
@@ -397,14 +397,30 @@ class OddTaskStatus(Wrapped):
 class FailingTerminate(Wrapped):
     """Terminate always fails: the cluster leaks, and the job must say so."""
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         raise BackendError(f"terminate {handle.cluster_name}: permission denied")
+
+
+class UnconfirmedTerminate(Wrapped):
+    """Terminates, but cannot say the cluster is gone (as the ssh and local backends):
+    the lifecycle must ask `cluster_exists` itself."""
+
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
+        await self.inner.terminate(handle, epoch, grace)
+        return False
+
+
+class IgnoredTerminate(Wrapped):
+    """Accepts every terminate and does nothing: only the lifecycle's own check can tell."""
+
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
+        return False
 
 
 class UnreachableTerminate(Wrapped):
     """The backend never answers a terminate: the cleanup must give up, bounded, and say so."""
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         raise BackendUnreachableError(f"terminate {handle.cluster_name}: no answer")
 
 
@@ -452,10 +468,10 @@ class Islanded(Wrapped):
         answered = await super().observe_many([h for h in handles if not self._silent(h)])
         return {**answered, **silent}
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         if self._silent(handle):
             raise BackendUnreachableError(f"terminating {handle.cluster_name}: no answer")
-        await self.inner.terminate(handle, epoch, grace)
+        return await self.inner.terminate(handle, epoch, grace)
 
 
 class VanishesAfterItsTask(Wrapped):
@@ -480,13 +496,13 @@ class BlockingTerminate(Wrapped):
         self.entered = asyncio.Event()
         self.release = asyncio.Event()
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         if self.passes > 0:
             self.passes -= 1
         else:
             self.entered.set()
             await self.release.wait()
-        await self.inner.terminate(handle, epoch, grace)
+        return await self.inner.terminate(handle, epoch, grace)
 
 
 W = TypeVar("W", bound="Wrapped")
@@ -652,7 +668,8 @@ class Host:
         # As through the logs service: a backend that cannot answer leaves nothing saved.
         try:
             data = await self.recorder.read_logs(handle)
-            exists = await self.recorder.cluster_exists(handle.cluster_name)
+            # The test's own look, not a call of the lifecycle's backend.
+            exists = await self.world.sim.cluster_exists(handle.cluster_name)
         except BackendError:
             data, exists = b"", False
         self.fetched.append((task_id, handle.cluster_name, data, exists))

@@ -262,8 +262,9 @@ class MemoryBackend(Backend):
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         raise AssertionError("no preemption notices in these tests")
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         self.gone.add(handle.cluster_name)
+        return True
 
     async def cluster_exists(self, cluster_name: str) -> bool:
         return cluster_name in self.logs and cluster_name not in self.gone

@@ -38,11 +38,13 @@ from lifecycle_harness import (
     FailingTerminate,
     Hooks,
     Host,
+    IgnoredTerminate,
     Islanded,
     LongFirstRun,
     NeverStartsFirst,
     NoPush,
     OddTaskStatus,
+    UnconfirmedTerminate,
     UnreachableTerminate,
     VanishesAfterItsTask,
     World,
@@ -386,6 +388,16 @@ ROWS = [
         wrap=(FailingTerminate,),
         leaked=1,
     ),
+    Row(
+        "a-terminate-that-does-nothing-is-caught-by-the-check",
+        "name: leak\nrun: train\n",
+        ((STARTING, RUNNING, SUCCEEDED, S.FAILED_CONTROLLER),),
+        ((0, "", EAST),),
+        failure="it still exists after terminate",
+        config={"terminate_attempts": 2},
+        wrap=(IgnoredTerminate,),
+        leaked=1,
+    ),
 ]
 
 
@@ -697,6 +709,27 @@ async def test_a_succeeded_cluster_is_torn_down_once(world: World) -> None:
     await running.finished()
     terminations = [s for s in running.host.timeline if s[0] == "terminate"]
     assert terminations == [("terminate", "mj-1-0")]
+
+
+@pytest.mark.parametrize("confirms", [True, False], ids=["terminate-confirms", "unconfirmed"])
+async def test_a_teardown_asks_whether_the_cluster_exists_only_when_terminate_cannot_say(
+    world: World, confirms: bool
+) -> None:
+    metered: list[MeteredBackend] = []
+
+    def meter(backend: Backend) -> Backend:
+        metered.append(MeteredBackend(backend if confirms else UnconfirmedTerminate(backend)))
+        return metered[0]
+
+    job = make_job("name: once\nrun: train\n", 1)
+    running = await start_job(world, job, wrap=meter)
+    await running.finished()
+    assert running.host.statuses(0) == list(RAN)
+    calls = metered[0].calls
+    assert calls["terminate"] == 1
+    # The sim cloud's Terminate answers once the cluster is gone: nothing to ask after it.
+    assert calls.get("cluster_exists", 0) == (0 if confirms else 1), calls
+    assert await world.live(1) == []
 
 
 async def test_a_running_job_on_a_pushing_backend_makes_no_backend_calls_while_quiet(

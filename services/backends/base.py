@@ -260,12 +260,17 @@ class Backend(abc.ABC):
         return out
 
     @abc.abstractmethod
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         """Tears the cluster down; idempotent.
 
         The task's processes get SIGTERM first and SIGKILL after `grace` seconds, so
         code can checkpoint (SPEC §18). `epoch` is the caller's assignment epoch (0:
         not on behalf of a job, e.g. an operator's cleanup).
+
+        Returns:
+            True when the backend itself saw the cluster gone before it returned (the
+            sim cloud's Terminate answers only then), so the caller need not check
+            with `cluster_exists`; False when it cannot say.
 
         Raises:
             StaleEpochError: a newer epoch of the job holds the cluster.

@@ -418,7 +418,7 @@ class LocalBackend(Backend):
             await self._admit(layout, epoch, action)
             yield layout, lock
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         """Stops the ranks (SIGTERM, `grace` seconds, SIGKILL), kills every process of
         the cluster and removes its folder.
 
@@ -430,6 +430,7 @@ class LocalBackend(Backend):
                 layout, lock = held
                 await self._stop_and_remove(layout, max(0.0, grace))
                 lock.discard()
+        return False
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         """Stops the ranks (SIGTERM, `grace` seconds, SIGKILL) and waits for the

@@ -300,12 +300,13 @@ class SimBackend(Backend):
         seen.update((cluster.name, observation(cluster)) for cluster in reply.clusters)
         return seen
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         """Terminates the cluster; a live task gets SIGTERM and `grace` simulated seconds.
 
-        Returns once the cluster is gone.
+        Returns (True) once the cloud has the cluster gone: its Terminate answers only then.
         """
         await self._terminate(handle, epoch, grace, keep_cluster=False)
+        return True
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         """SIGTERM, SIGKILL after `grace` simulated seconds; the cluster and its log stay

@@ -43,8 +43,8 @@ class BackendWrapper(Backend):
     ) -> dict[str, Observation | BackendError]:
         return await self.inner.observe_many(handles)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
-        await self.inner.terminate(handle, epoch, grace)
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
+        return await self.inner.terminate(handle, epoch, grace)
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         await self.inner.stop(handle, epoch, grace)

@@ -47,9 +47,9 @@ class LeaseGuard(BackendWrapper):
         await self._check(f"launch of {request.cluster_name}")
         return await self.inner.launch(request, candidate_regions, blocked_regions)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         await self._check(f"terminate of {handle.cluster_name}")
-        await self.inner.terminate(handle, epoch, grace)
+        return await self.inner.terminate(handle, epoch, grace)
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         await self._check(f"stop {handle.cluster_name}")

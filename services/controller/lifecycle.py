@@ -699,6 +699,9 @@ class JobLifecycle:
     ) -> bool:
         """Terminates a cluster and verifies it is gone, bounded in time and attempts.
 
+        Gone means the backend's terminate said it saw the cluster gone, or else a
+        `cluster_exists` asked afterwards says so.
+
         While the backend is unreachable nothing is concluded and attempts are not
         counted, but only for `unreachable_timeout`: then the cleanup has failed.
         With `silent` (the cluster already stayed unreachable past its timeout) an
@@ -719,7 +722,8 @@ class JobLifecycle:
         unreachable_since: float | None = None
         while True:
             try:
-                await self.backend.terminate(handle, self.host.epoch, grace)
+                if await self.backend.terminate(handle, self.host.epoch, grace):
+                    return True
                 if not await self.backend.cluster_exists(name):
                     return True
                 error = "it still exists after terminate"

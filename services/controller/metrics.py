@@ -61,9 +61,9 @@ class MeteredBackend(BackendWrapper):
         self._count("observe_many")
         return await self.inner.observe_many(handles)
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         self._count("terminate")
-        await self.inner.terminate(handle, epoch, grace)
+        return await self.inner.terminate(handle, epoch, grace)
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         self._count("stop")

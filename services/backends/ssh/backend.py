@@ -308,7 +308,7 @@ class SSHBackend(Backend):
 
     # --- terminate, notices -------------------------------------------------------------------
 
-    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> None:
+    async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         """SIGTERM, then SIGKILL after `grace`, on every host holding any launch of the
         cluster's name; removes its folders and releases its hosts.
 
@@ -320,7 +320,7 @@ class SSHBackend(Backend):
         self._start_reaper()
         name = handle.cluster_name
         if not _CLUSTER_NAME_RE.fullmatch(name):
-            return
+            return False
         known = self._known(handle)
         scans = await self._fleet.scan_all(names=[name], processes=True)
         answered = {hid: s for hid, s in scans.items() if isinstance(s, HostScan)}
@@ -359,6 +359,7 @@ class SSHBackend(Backend):
         if silent:
             raise self._fleet.unreachable(silent, f"terminating {name}")
         self._launches.pop(name, None)
+        return False
 
     async def stop(self, handle: ClusterHandle, epoch: int, grace: float) -> None:
         """SIGTERM, then SIGKILL after `grace`, to every rank; the folders (and their
