@@ -52,6 +52,13 @@ REQUESTS: dict[str, message.Message] = {
     "/managedjobs.v1.LogService/FetchTaskLogs": log_service_pb2.FetchTaskLogsRequest(
         job_id=1, task_id=0, cluster_name="mj-1-0", attempt=1, epoch=1
     ),
+    "/managedjobs.v1.LogService/BatchFetchTaskLogs": log_service_pb2.BatchFetchTaskLogsRequest(
+        fetches=[
+            log_service_pb2.FetchTaskLogsRequest(
+                job_id=1, task_id=0, cluster_name="mj-1-0", attempt=1, epoch=1
+            )
+        ]
+    ),
     "/managedjobs.v1.LogService/AppendControllerLogs": log_service_pb2.AppendControllerLogsRequest(
         lines=[log_service_pb2.ControllerLogLine(job_id=1, line="matrix\n", epoch=1)]
     ),
@@ -63,6 +70,9 @@ REQUESTS: dict[str, message.Message] = {
     ),
     "/managedjobs.simcloud.v1.SimCloudService/Terminate": spb.TerminateRequest(
         cluster_name="nothing", epoch=1
+    ),
+    "/managedjobs.simcloud.v1.SimCloudService/TerminateClusters": spb.TerminateClustersRequest(
+        calls=[spb.TerminateRequest(cluster_name="nothing", epoch=1)]
     ),
     "/managedjobs.simcloud.v1.SimCloudService/NotifyPreemption": spb.NotifyPreemptionRequest(
         cluster_name="nothing", epoch=1, deadline=timestamp_pb2.Timestamp(seconds=2_000_000_000)

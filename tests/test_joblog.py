@@ -16,6 +16,7 @@ import pytest
 
 from managedjobs.v1 import log_service_pb2 as pb
 from managedjobs.v1 import log_service_pb2_grpc
+from services.backends import ClusterHandle
 from services.common.channels import ClientSecurity
 from services.controller.joblog import LogsClient
 
@@ -24,6 +25,8 @@ class FakeLogs(log_service_pb2_grpc.LogServiceServicer):
     def __init__(self) -> None:
         self.calls: list[int] = []
         self.hang = False
+        self.fetch_calls: list[list[int]] = []
+        self.refuse: set[int] = set()
 
     async def AppendControllerLogs(
         self, request: pb.AppendControllerLogsRequest, context: Any
@@ -32,6 +35,19 @@ class FakeLogs(log_service_pb2_grpc.LogServiceServicer):
             await asyncio.Event().wait()
         self.calls.append(len(request.lines))
         return pb.AppendControllerLogsResponse()
+
+    async def BatchFetchTaskLogs(
+        self, request: pb.BatchFetchTaskLogsRequest, context: Any
+    ) -> pb.BatchFetchTaskLogsResponse:
+        self.fetch_calls.append([f.job_id for f in request.fetches])
+        return pb.BatchFetchTaskLogsResponse(
+            results=[
+                pb.FetchTaskLogsResult(code="PERMISSION_DENIED", message="not held")
+                if f.job_id in self.refuse
+                else pb.FetchTaskLogsResult(bytes_stored=1)
+                for f in request.fetches
+            ]
+        )
 
 
 @pytest.fixture
@@ -72,3 +88,16 @@ async def test_a_logs_service_that_never_answers_holds_no_job_past_its_bound(
     # turn would take 30 s.
     results = await asyncio.wait_for(waits, 10)
     assert results == [False] * 100
+
+
+async def test_fetches_asked_for_at_once_share_one_call_and_a_refusal_is_not_retried(
+    logs: tuple[FakeLogs, LogsClient],
+) -> None:
+    fake, client = logs
+    fake.refuse = {2}
+    results = await asyncio.gather(
+        *(client.fetch(job, 0, 1, ClusterHandle(f"mj-{job}-0", "sim"), 1) for job in (1, 2, 3))
+    )
+    assert results == [True, False, True]
+    # One call for the three; the refused one (a final answer) is not asked again.
+    assert fake.fetch_calls == [[1, 2, 3]]

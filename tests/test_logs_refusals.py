@@ -151,6 +151,39 @@ async def test_a_batch_stores_the_lines_of_held_jobs_and_names_the_others(
     assert not job_folder(system, 2).exists() and not job_folder(system, 99).exists()
 
 
+async def test_a_batch_of_fetches_stores_the_held_jobs_and_answers_each_other_on_its_own(
+    system: System,
+) -> None:
+    def item(job_id: int, epoch: int, cluster: str = "") -> log_service_pb2.FetchTaskLogsRequest:
+        return log_service_pb2.FetchTaskLogsRequest(
+            job_id=job_id,
+            task_id=0,
+            cluster_name=cluster or f"mj-{job_id}-0",
+            attempt=1,
+            epoch=epoch,
+        )
+
+    reply = await system.stub.BatchFetchTaskLogs(
+        log_service_pb2.BatchFetchTaskLogsRequest(
+            fetches=[item(1, 3), item(2, 1), item(99, 1), item(1, 3, cluster="mj-2-0")]
+        )
+    )
+    assert [(r.bytes_stored, r.code, r.reason) for r in reply.results] == [
+        (4, "", ""),
+        (0, "PERMISSION_DENIED", "JOB_NOT_HELD"),
+        (0, "NOT_FOUND", "JOB_NOT_FOUND"),
+        (0, "INVALID_ARGUMENT", "ARGUMENT_INVALID"),
+    ]
+    assert "mj-2-0" in reply.results[3].message
+    assert (job_folder(system, 1) / "task-0.log").read_bytes() == b"out\n"
+    assert not job_folder(system, 2).exists() and not job_folder(system, 99).exists()
+    for count in (0, 501):
+        request = log_service_pb2.BatchFetchTaskLogsRequest(fetches=[item(1, 3)] * count)
+        error = await refused(system.stub.BatchFetchTaskLogs(request))
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "fetches: 1 to 500" in (error.details() or "")
+
+
 async def test_holds_are_cached_briefly_and_a_move_is_seen(system: System, clock: Clock) -> None:
     jobs = system.scheduler
     await append(system, *(Line(job_id=1, epoch=3, line=f"{i}") for i in range(50)))

@@ -453,6 +453,40 @@ async def test_backend_sees_a_task_through_to_its_end(backend: SimBackend) -> No
     assert await backend.read_logs(backend.handle_for("never-launched")) == b""
 
 
+async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_own(
+    backend: SimBackend, running: RunningCloud
+) -> None:
+    one = await backend.launch(task(1, sim={"runtime_seconds": 1e6}))
+    two = await backend.launch(task(2, sim={"runtime_seconds": 1e6}, epoch=3))
+    never = backend.handle_for("mj-9-0")
+    before = backend.terminations.batches
+    outcomes = await asyncio.gather(
+        backend.terminate(one, epoch=1),
+        backend.terminate(two, epoch=2),  # below epoch 3, which launched it: fenced
+        backend.terminate(never, epoch=1),
+        backend.terminate(backend.handle_for("../etc"), epoch=1),
+        return_exceptions=True,
+    )
+    assert outcomes[0] is True and outcomes[2] is True
+    assert isinstance(outcomes[1], StaleEpochError) and "stale epoch 2" in str(outcomes[1])
+    # A name the cloud would refuse is refused here, alone, not in the batch.
+    assert isinstance(outcomes[3], PrecheckError)
+    assert backend.terminations.batches == before + 1
+    assert not await backend.cluster_exists(one.cluster_name)
+    assert await backend.cluster_exists(two.cluster_name)
+    assert running.cloud.state().stale_terminates_rejected == 1
+    # A stop (keep the cluster, a grace) never waits in a teardown's batch, nor one with
+    # another grace: three keys, three calls.
+    await asyncio.gather(
+        backend.stop(two, epoch=3, grace=5.0),
+        backend.stop(two, epoch=3, grace=0.0),
+        backend.terminate(backend.handle_for("mj-8-0"), epoch=1),
+    )
+    assert backend.terminations.batches == before + 4
+    assert await backend.task_status(two) == TaskStatus.FAILED
+    assert await backend.cluster_exists(two.cluster_name)
+
+
 async def test_preemption_is_pushed_on_the_event_stream(
     backend: SimBackend, operator: pb_grpc.SimOperatorServiceAsyncStub
 ) -> None:

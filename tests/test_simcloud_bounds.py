@@ -164,6 +164,30 @@ BAD: list[tuple[str, Call, str]] = [
         "epoch",
     ),
     (
+        "terminate-many-none",
+        lambda c: c.cloud.TerminateClusters(pb.TerminateClustersRequest()),
+        "calls",
+    ),
+    (
+        "terminate-many-too-many",
+        lambda c: c.cloud.TerminateClusters(
+            pb.TerminateClustersRequest(calls=[pb.TerminateRequest(cluster_name="c")] * 1001)
+        ),
+        "calls",
+    ),
+    (
+        "terminate-many-bad-item",
+        lambda c: c.cloud.TerminateClusters(
+            pb.TerminateClustersRequest(
+                calls=[
+                    pb.TerminateRequest(cluster_name="existing", epoch=1),
+                    pb.TerminateRequest(cluster_name="c", grace_seconds=-1),
+                ]
+            )
+        ),
+        "calls[1].grace_seconds",
+    ),
+    (
         "notify-no-deadline",
         lambda c: c.cloud.NotifyPreemption(pb.NotifyPreemptionRequest(cluster_name="c")),
         "deadline",

@@ -33,6 +33,8 @@ afresh from its head.
 Durations the cloud is given are simulated seconds: `terminate`'s grace, like
 the `sim` key's runtime, passes `time_scale` times faster than real time, and
 the Terminate call, which returns once the cluster is gone, may take that long.
+Stops and teardowns asked for at once go as one TerminateClusters call per grace
+(`terminations`), each item answered, and failed, on its own.
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
 ended has nothing to tell and the call returns quietly.
@@ -71,6 +73,7 @@ from services.backends.base import (
     TaskStatus,
 )
 from services.common.channels import ClientSecurity, open_channel
+from services.common.coalesce import Coalescer
 from services.common.errors import error_info
 from services.simcloud.bounds import NAME_RE
 
@@ -92,6 +95,7 @@ _PRECHECK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITI
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Clusters per GetClusters call (the cloud's limit).
 GET_CLUSTERS_BATCH = 1000
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def error_metadata(exc: grpc.aio.AioRpcError) -> dict[str, str]:
@@ -105,7 +109,17 @@ def backend_error(exc: grpc.aio.AioRpcError) -> BackendError:
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         tried = error_metadata(exc).get("regions_tried", "")
         return ResourcesUnavailableError(details, [r for r in tried.split(",") if r])
-    if code == grpc.StatusCode.FAILED_PRECONDITION and error_info(exc).reason == "STALE_EPOCH":
+    return _error(code, details, error_info(exc).reason)
+
+
+def call_error(error: pb.CallError) -> BackendError:
+    """The backend error for one failed call of a batch."""
+    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    return _error(code, error.message, error.reason)
+
+
+def _error(code: grpc.StatusCode, details: str, reason: str) -> BackendError:
+    if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "STALE_EPOCH":
         return StaleEpochError(details)
     if code in _PRECHECK:
         return PrecheckError(details)
@@ -218,6 +232,11 @@ class SimBackend(Backend):
         self._regions: tuple[str, ...] | None = None
         self._time_scale: float | None = None
         self._loading: asyncio.Task[None] | None = None
+        # Stops and teardowns asked for at once go as one TerminateClusters call, by
+        # (keep_cluster, grace): a long grace never holds up a short one.
+        self.terminations: Coalescer[tuple[bool, float], pb.TerminateRequest, None] = Coalescer(
+            self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH
+        )
 
     def _cloud(self) -> pb_grpc.SimCloudServiceAsyncStub:
         if self._stub is None:
@@ -318,20 +337,34 @@ class SimBackend(Backend):
     ) -> None:
         if not (math.isfinite(grace) and grace >= 0):
             raise PrecheckError(f"grace must be a finite number >= 0, got {grace}")
+        if not NAME_RE.fullmatch(handle.cluster_name):
+            # Refused alone, rather than failing the batch it would have gone in.
+            raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
         request = pb.TerminateRequest(
             cluster_name=handle.cluster_name,
             epoch=epoch,
             grace_seconds=grace,
             keep_cluster=keep_cluster,
         )
-        timeout = self._timeout
         if grace > 0:
             await self.load()
-            timeout += grace / (self._time_scale or 1.0)
+        await self.terminations.call((keep_cluster, grace), request)
+
+    async def _terminate_clusters(
+        self, key: tuple[bool, float], calls: list[pb.TerminateRequest]
+    ) -> list[BaseException | None]:
+        """One TerminateClusters call; each failed item as the error it would raise alone."""
+        _, grace = key
+        timeout = self._timeout + grace / (self._time_scale or 1.0)
+        request = pb.TerminateClustersRequest(calls=calls)
         try:
-            await self._cloud().Terminate(request, timeout=timeout)
+            reply = await self._cloud().TerminateClusters(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise backend_error(exc) from exc
+        return [
+            call_error(result.error) if result.HasField("error") else None
+            for result in reply.results
+        ]
 
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Has the cloud deliver SIGTERM and the notice file (the deadline) to the task.

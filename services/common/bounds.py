@@ -23,6 +23,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 __all__ = [
     "MAX_ENV_BYTES",
     "MAX_ENV_KEYS",
+    "MAX_FETCH_BATCH",
     "MAX_HANDLE_BYTES",
     "MAX_IDENTIFIER_CHARS",
     "MAX_INT32",
@@ -71,6 +72,8 @@ MAX_JOB_BYTES = 2 * 1024 * 1024
 # ReadLogs may be asked to tail; a cluster handle's JSON and how deep it may nest.
 MAX_LOG_BATCH_LINES = 1000
 MAX_LOG_LINE_BYTES = 16 * 1024
+# Fetches in one BatchFetchTaskLogs call (each carries a handle of up to 16 KiB).
+MAX_FETCH_BATCH = 500
 MAX_TAIL_LINES = 100_000
 MAX_HANDLE_BYTES = 16 * 1024
 MAX_JSON_DEPTH = 16

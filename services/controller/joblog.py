@@ -6,7 +6,9 @@ a job's `note` never waits on the network. A job that finishes waits, at most
 jobs finishing together share the same shipments instead of queueing behind
 each other. A fetch is retried a few times; if the logs service stays away the
 teardown goes ahead (the job must not leak a cluster because logs could not be
-saved), and the lifecycle log says so.
+saved), and the lifecycle log says so. Fetches asked for at once (many jobs ending
+together, e.g. cancelled together) go as one BatchFetchTaskLogs call, each
+answered on its own.
 
 Every line and fetch carries the job's epoch: the logs service takes them only
 from the replica holding the job at that epoch. Lines it refuses (the job moved
@@ -26,8 +28,9 @@ import grpc
 from managedjobs.v1 import log_service_pb2 as pb
 from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import ClusterHandle
-from services.common.bounds import MAX_LOG_LINE_BYTES
+from services.common.bounds import MAX_FETCH_BATCH, MAX_LOG_LINE_BYTES
 from services.common.channels import ClientSecurity, open_channel
+from services.common.coalesce import Coalescer
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,18 @@ _FINAL = frozenset(
 )
 
 
+_CODES = {code.name: code for code in grpc.StatusCode}
+
+
+class FetchFailed(Exception):
+    """A fetch the logs service refused or could not do."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
 class LogsClient:
     def __init__(self, address: str, security: ClientSecurity, flush_interval: float = 0.2) -> None:
         self.address = address
@@ -61,6 +76,10 @@ class LogsClient:
         self._task: asyncio.Task[None] | None = None
         # One shipment at a time, so that a flush waits for lines already in flight.
         self._flushing = asyncio.Lock()
+        # Fetches asked for at once (many jobs ending together) go as one call.
+        self._fetches: Coalescer[None, pb.FetchTaskLogsRequest, None] = Coalescer(
+            self._fetch_batch, max_batch=MAX_FETCH_BATCH
+        )
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._ship(), name="controller-log-shipper")
@@ -163,22 +182,40 @@ class LogsClient:
         )
         for tries in range(1, FETCH_ATTEMPTS + 1):
             try:
-                await self._stub.FetchTaskLogs(request, timeout=60)
+                await self._fetches.call(None, request)
                 return True
-            except grpc.aio.AioRpcError as error:
+            except FetchFailed as failed:
                 log.warning(
                     "log fetch failed",
                     extra={
                         "job_id": job_id,
                         "attempt": attempt,
                         "try": tries,
-                        "code": error.code().name,
+                        "code": failed.code.name,
+                        "error": failed.message,
                     },
                 )
-                if error.code() in _FINAL:
+                if failed.code in _FINAL:
                     return False
                 await asyncio.sleep(0.5 * tries)
         return False
+
+    async def _fetch_batch(
+        self, _: None, fetches: list[pb.FetchTaskLogsRequest]
+    ) -> list[BaseException | None]:
+        """One BatchFetchTaskLogs call; each failed fetch as its own `FetchFailed`."""
+        try:
+            reply = await self._stub.BatchFetchTaskLogs(
+                pb.BatchFetchTaskLogsRequest(fetches=fetches), timeout=60
+            )
+        except grpc.aio.AioRpcError as error:
+            raise FetchFailed(error.code(), error.details() or "") from error
+        return [
+            FetchFailed(_CODES.get(result.code, grpc.StatusCode.UNKNOWN), result.message)
+            if result.code
+            else None
+            for result in reply.results
+        ]
 
     async def close(self) -> None:
         if self._task is not None:

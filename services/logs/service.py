@@ -8,6 +8,8 @@
 - FetchTaskLogs copies one attempt of a task off its cluster into the store;
   replicas call it right before every teardown, so a recovered task keeps the logs
   of every attempt. A repeat of the same attempt replaces its copy.
+- BatchFetchTaskLogs does many FetchTaskLogs in one call (replicas' fetches asked
+  for at once), each checked, done and answered on its own.
 - AppendControllerLogs appends replicas' lifecycle lines to each job's log.
 
 The two write RPCs refuse what is not the caller's, before anything is written (so
@@ -36,6 +38,7 @@ from managedjobs.v1 import job_pb2, log_service_pb2, log_service_pb2_grpc
 from services.backends.base import Backend, BackendUnreachableError, ClusterHandle, cluster_name
 from services.common.access import current_principal, require_owner
 from services.common.bounds import (
+    MAX_FETCH_BATCH,
     MAX_HANDLE_BYTES,
     MAX_JSON_DEPTH,
     MAX_LOG_BATCH_LINES,
@@ -45,10 +48,13 @@ from services.common.bounds import (
     quote,
 )
 from services.common.errors import (
+    MAX_MESSAGE_BYTES,
+    ApiError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     Unavailable,
+    bound,
     rpc_errors,
 )
 from services.logs.controller_logs import follow_controller_log, read_controller_log
@@ -167,6 +173,35 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
     async def FetchTaskLogs(
         self, request: log_service_pb2.FetchTaskLogsRequest, context: Context
     ) -> log_service_pb2.FetchTaskLogsResponse:
+        return log_service_pb2.FetchTaskLogsResponse(bytes_stored=await self._fetch(request))
+
+    @rpc_errors
+    async def BatchFetchTaskLogs(
+        self, request: log_service_pb2.BatchFetchTaskLogsRequest, context: Context
+    ) -> log_service_pb2.BatchFetchTaskLogsResponse:
+        fetches = request.fetches
+        if not 1 <= len(fetches) <= MAX_FETCH_BATCH:
+            raise InvalidArgument(
+                f"fetches: 1 to {MAX_FETCH_BATCH} fetches, got {len(fetches)}", field="fetches"
+            )
+        outcomes = await asyncio.gather(
+            *(self._fetch(fetch) for fetch in fetches), return_exceptions=True
+        )
+        reply = log_service_pb2.BatchFetchTaskLogsResponse()
+        for outcome in outcomes:
+            result = reply.results.add()
+            if isinstance(outcome, ApiError):
+                result.code = outcome.code.name
+                result.message = bound(outcome.message, MAX_MESSAGE_BYTES)
+                result.reason = outcome.reason
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                result.bytes_stored = outcome
+        return reply
+
+    async def _fetch(self, request: log_service_pb2.FetchTaskLogsRequest) -> int:
+        """Copies one attempt's logs off its cluster into the store; the bytes stored."""
         if request.job_id <= 0:
             raise InvalidArgument("job_id must be positive", field="job_id")
         if request.task_id < 0:
@@ -205,7 +240,7 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
                 "bytes": stored,
             },
         )
-        return log_service_pb2.FetchTaskLogsResponse(bytes_stored=stored)
+        return stored
 
     def _handle(self, request: log_service_pb2.FetchTaskLogsRequest) -> ClusterHandle:
         """The task's cluster, from handle_json or its name; refuses another task's cluster."""

@@ -14,6 +14,7 @@ line is due.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -23,7 +24,13 @@ import grpc
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
-from services.common.errors import InvalidArgument, rpc_errors
+from services.common.errors import (
+    MAX_MESSAGE_BYTES,
+    ApiError,
+    InvalidArgument,
+    bound,
+    rpc_errors,
+)
 from services.simcloud import bounds, convert
 from services.simcloud.cloud import Cloud
 
@@ -85,10 +92,43 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
     async def Terminate(
         self, request: pb.TerminateRequest, context: Context
     ) -> pb.TerminateResponse:
-        bounds.name(request.cluster_name, "cluster_name")
-        bounds.integer(request.epoch, "epoch")
-        grace = bounds.number(request.grace_seconds, "grace_seconds")
+        grace = _terminate_grace(request)
         self.cloud.check_reachable()
+        return await self._terminate(request, grace)
+
+    @rpc_errors
+    async def TerminateClusters(
+        self, request: pb.TerminateClustersRequest, context: Context
+    ) -> pb.TerminateClustersResponse:
+        calls = request.calls
+        if not 1 <= len(calls) <= bounds.MAX_NAMES_PER_CALL:
+            raise InvalidArgument(
+                f"calls: 1 to {bounds.MAX_NAMES_PER_CALL} calls, got {len(calls)}", field="calls"
+            )
+        graces = [_terminate_grace(call, f"calls[{i}].") for i, call in enumerate(calls)]
+        self.cloud.check_reachable()
+        outcomes = await asyncio.gather(
+            *(self._terminate(call, grace) for call, grace in zip(calls, graces, strict=True)),
+            return_exceptions=True,
+        )
+        reply = pb.TerminateClustersResponse()
+        for outcome in outcomes:
+            result = reply.results.add()
+            if isinstance(outcome, ApiError):
+                result.error.CopyFrom(
+                    pb.CallError(
+                        code=outcome.code.value[0],
+                        message=bound(outcome.message, MAX_MESSAGE_BYTES),
+                        reason=outcome.reason,
+                    )
+                )
+            elif isinstance(outcome, BaseException):
+                raise outcome
+            else:
+                result.response.CopyFrom(outcome)
+        return reply
+
+    async def _terminate(self, request: pb.TerminateRequest, grace: float) -> pb.TerminateResponse:
         if request.keep_cluster:
             stopping = self.cloud.begin_stop(request.cluster_name, request.epoch, grace)
             if stopping is None:
@@ -183,6 +223,13 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
             regions=[convert.region(r) for r in self.cloud.regions.values()],
             time_scale=self.cloud.clock.time_scale,
         )
+
+
+def _terminate_grace(request: pb.TerminateRequest, prefix: str = "") -> float:
+    """Checks a Terminate call's fields; its grace."""
+    bounds.name(request.cluster_name, prefix + "cluster_name")
+    bounds.integer(request.epoch, prefix + "epoch")
+    return bounds.number(request.grace_seconds, prefix + "grace_seconds")
 
 
 class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n managedjobs/v1/log_service.proto\x12\x0emanagedjobs.v1\"\x9d\x01\n\x0fReadLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x14\n\x07task_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x12\n\ntail_lines\x18\x04 \x01(\x05\x12\x12\n\ncontroller\x18\x05 \x01(\x08\x12\x14\n\x07\x61ttempt\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_task_idB\n\n\x08_attempt\"A\n\x10ReadLogsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0f\n\x07task_id\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x82\x01\n\x14\x46\x65tchTaskLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0f\n\x07task_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x63luster_name\x18\x03 \x01(\t\x12\x13\n\x0bhandle_json\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x05\"-\n\x15\x46\x65tchTaskLogsResponse\x12\x14\n\x0c\x62ytes_stored\x18\x01 \x01(\x03\"@\n\x11\x43ontrollerLogLine\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0c\n\x04line\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"O\n\x1b\x41ppendControllerLogsRequest\x12\x30\n\x05lines\x18\x01 \x03(\x0b\x32!.managedjobs.v1.ControllerLogLine\"a\n\x1c\x41ppendControllerLogsResponse\x12\x14\n\x0clines_stored\x18\x01 \x01(\x05\x12+\n\x07refused\x18\x02 \x03(\x0b\x32\x1a.managedjobs.v1.RefusedJob\":\n\nRefusedJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\xae\x02\n\nLogService\x12O\n\x08ReadLogs\x12\x1f.managedjobs.v1.ReadLogsRequest\x1a .managedjobs.v1.ReadLogsResponse0\x01\x12\\\n\rFetchTaskLogs\x12$.managedjobs.v1.FetchTaskLogsRequest\x1a%.managedjobs.v1.FetchTaskLogsResponse\x12q\n\x14\x41ppendControllerLogs\x12+.managedjobs.v1.AppendControllerLogsRequest\x1a,.managedjobs.v1.AppendControllerLogsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n managedjobs/v1/log_service.proto\x12\x0emanagedjobs.v1\"\x9d\x01\n\x0fReadLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x14\n\x07task_id\x18\x02 \x01(\x05H\x00\x88\x01\x01\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x12\x12\n\ntail_lines\x18\x04 \x01(\x05\x12\x12\n\ncontroller\x18\x05 \x01(\x08\x12\x14\n\x07\x61ttempt\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\n\n\x08_task_idB\n\n\x08_attempt\"A\n\x10ReadLogsResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0f\n\x07task_id\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\x82\x01\n\x14\x46\x65tchTaskLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0f\n\x07task_id\x18\x02 \x01(\x05\x12\x14\n\x0c\x63luster_name\x18\x03 \x01(\t\x12\x13\n\x0bhandle_json\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x03\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\x05\"-\n\x15\x46\x65tchTaskLogsResponse\x12\x14\n\x0c\x62ytes_stored\x18\x01 \x01(\x03\"R\n\x19\x42\x61tchFetchTaskLogsRequest\x12\x35\n\x07\x66\x65tches\x18\x01 \x03(\x0b\x32$.managedjobs.v1.FetchTaskLogsRequest\"R\n\x1a\x42\x61tchFetchTaskLogsResponse\x12\x34\n\x07results\x18\x01 \x03(\x0b\x32#.managedjobs.v1.FetchTaskLogsResult\"Z\n\x13\x46\x65tchTaskLogsResult\x12\x14\n\x0c\x62ytes_stored\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\"@\n\x11\x43ontrollerLogLine\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0c\n\x04line\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x03\"O\n\x1b\x41ppendControllerLogsRequest\x12\x30\n\x05lines\x18\x01 \x03(\x0b\x32!.managedjobs.v1.ControllerLogLine\"a\n\x1c\x41ppendControllerLogsResponse\x12\x14\n\x0clines_stored\x18\x01 \x01(\x05\x12+\n\x07refused\x18\x02 \x03(\x0b\x32\x1a.managedjobs.v1.RefusedJob\":\n\nRefusedJob\x12\x0e\n\x06job_id\x18\x01 \x01(\x03\x12\x0c\n\x04\x63ode\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t2\x9b\x03\n\nLogService\x12O\n\x08ReadLogs\x12\x1f.managedjobs.v1.ReadLogsRequest\x1a .managedjobs.v1.ReadLogsResponse0\x01\x12\\\n\rFetchTaskLogs\x12$.managedjobs.v1.FetchTaskLogsRequest\x1a%.managedjobs.v1.FetchTaskLogsResponse\x12k\n\x12\x42\x61tchFetchTaskLogs\x12).managedjobs.v1.BatchFetchTaskLogsRequest\x1a*.managedjobs.v1.BatchFetchTaskLogsResponse\x12q\n\x14\x41ppendControllerLogs\x12+.managedjobs.v1.AppendControllerLogsRequest\x1a,.managedjobs.v1.AppendControllerLogsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -39,14 +39,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FETCHTASKLOGSREQUEST']._serialized_end=410
   _globals['_FETCHTASKLOGSRESPONSE']._serialized_start=412
   _globals['_FETCHTASKLOGSRESPONSE']._serialized_end=457
-  _globals['_CONTROLLERLOGLINE']._serialized_start=459
-  _globals['_CONTROLLERLOGLINE']._serialized_end=523
-  _globals['_APPENDCONTROLLERLOGSREQUEST']._serialized_start=525
-  _globals['_APPENDCONTROLLERLOGSREQUEST']._serialized_end=604
-  _globals['_APPENDCONTROLLERLOGSRESPONSE']._serialized_start=606
-  _globals['_APPENDCONTROLLERLOGSRESPONSE']._serialized_end=703
-  _globals['_REFUSEDJOB']._serialized_start=705
-  _globals['_REFUSEDJOB']._serialized_end=763
-  _globals['_LOGSERVICE']._serialized_start=766
-  _globals['_LOGSERVICE']._serialized_end=1068
+  _globals['_BATCHFETCHTASKLOGSREQUEST']._serialized_start=459
+  _globals['_BATCHFETCHTASKLOGSREQUEST']._serialized_end=541
+  _globals['_BATCHFETCHTASKLOGSRESPONSE']._serialized_start=543
+  _globals['_BATCHFETCHTASKLOGSRESPONSE']._serialized_end=625
+  _globals['_FETCHTASKLOGSRESULT']._serialized_start=627
+  _globals['_FETCHTASKLOGSRESULT']._serialized_end=717
+  _globals['_CONTROLLERLOGLINE']._serialized_start=719
+  _globals['_CONTROLLERLOGLINE']._serialized_end=783
+  _globals['_APPENDCONTROLLERLOGSREQUEST']._serialized_start=785
+  _globals['_APPENDCONTROLLERLOGSREQUEST']._serialized_end=864
+  _globals['_APPENDCONTROLLERLOGSRESPONSE']._serialized_start=866
+  _globals['_APPENDCONTROLLERLOGSRESPONSE']._serialized_end=963
+  _globals['_REFUSEDJOB']._serialized_start=965
+  _globals['_REFUSEDJOB']._serialized_end=1023
+  _globals['_LOGSERVICE']._serialized_start=1026
+  _globals['_LOGSERVICE']._serialized_end=1437
 # @@protoc_insertion_point(module_scope)

@@ -148,6 +148,79 @@ class FetchTaskLogsResponse(_message.Message):
 Global___FetchTaskLogsResponse: _TypeAlias = FetchTaskLogsResponse  # noqa: Y015
 
 @_typing.final
+class BatchFetchTaskLogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FETCHES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def fetches(self) -> _containers.RepeatedCompositeFieldContainer[Global___FetchTaskLogsRequest]: ...
+    def __init__(
+        self,
+        *,
+        fetches: _abc.Iterable[Global___FetchTaskLogsRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fetches", b"fetches"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchFetchTaskLogsRequest: _TypeAlias = BatchFetchTaskLogsRequest  # noqa: Y015
+
+@_typing.final
+class BatchFetchTaskLogsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___FetchTaskLogsResult]:
+        """One per fetch, in the order asked."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___FetchTaskLogsResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchFetchTaskLogsResponse: _TypeAlias = BatchFetchTaskLogsResponse  # noqa: Y015
+
+@_typing.final
+class FetchTaskLogsResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_STORED_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    bytes_stored: _builtins.int
+    code: _builtins.str
+    """"" when the fetch succeeded; else the gRPC status code name it failed with alone,
+    e.g. "PERMISSION_DENIED", with its message and ErrorInfo reason.
+    """
+    message: _builtins.str
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        bytes_stored: _builtins.int = ...,
+        code: _builtins.str = ...,
+        message: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_stored", b"bytes_stored", "code", b"code", "message", b"message", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FetchTaskLogsResult: _TypeAlias = FetchTaskLogsResult  # noqa: Y015
+
+@_typing.final
 class ControllerLogLine(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

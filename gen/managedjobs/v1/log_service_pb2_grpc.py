@@ -45,6 +45,11 @@ class LogServiceStub:
                 request_serializer=managedjobs_dot_v1_dot_log__service__pb2.FetchTaskLogsRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_v1_dot_log__service__pb2.FetchTaskLogsResponse.FromString,
                 _registered_method=True)
+        self.BatchFetchTaskLogs = channel.unary_unary(
+                '/managedjobs.v1.LogService/BatchFetchTaskLogs',
+                request_serializer=managedjobs_dot_v1_dot_log__service__pb2.BatchFetchTaskLogsRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_v1_dot_log__service__pb2.BatchFetchTaskLogsResponse.FromString,
+                _registered_method=True)
         self.AppendControllerLogs = channel.unary_unary(
                 '/managedjobs.v1.LogService/AppendControllerLogs',
                 request_serializer=managedjobs_dot_v1_dot_log__service__pb2.AppendControllerLogsRequest.SerializeToString,
@@ -70,6 +75,15 @@ class LogServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def BatchFetchTaskLogs(self, request, context):
+        """FetchTaskLogs for many clusters in one call (1-500), each judged and answered on its
+        own, as it would be alone: a fetch refused or failed carries its error in its result
+        and stores nothing; the others are stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AppendControllerLogs(self, request, context):
         """Called by a replica: append lifecycle log lines of jobs.
         """
@@ -89,6 +103,11 @@ def add_LogServiceServicer_to_server(servicer, server):
                     servicer.FetchTaskLogs,
                     request_deserializer=managedjobs_dot_v1_dot_log__service__pb2.FetchTaskLogsRequest.FromString,
                     response_serializer=managedjobs_dot_v1_dot_log__service__pb2.FetchTaskLogsResponse.SerializeToString,
+            ),
+            'BatchFetchTaskLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.BatchFetchTaskLogs,
+                    request_deserializer=managedjobs_dot_v1_dot_log__service__pb2.BatchFetchTaskLogsRequest.FromString,
+                    response_serializer=managedjobs_dot_v1_dot_log__service__pb2.BatchFetchTaskLogsResponse.SerializeToString,
             ),
             'AppendControllerLogs': grpc.unary_unary_rpc_method_handler(
                     servicer.AppendControllerLogs,
@@ -151,6 +170,33 @@ class LogService:
             '/managedjobs.v1.LogService/FetchTaskLogs',
             managedjobs_dot_v1_dot_log__service__pb2.FetchTaskLogsRequest.SerializeToString,
             managedjobs_dot_v1_dot_log__service__pb2.FetchTaskLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BatchFetchTaskLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.v1.LogService/BatchFetchTaskLogs',
+            managedjobs_dot_v1_dot_log__service__pb2.BatchFetchTaskLogsRequest.SerializeToString,
+            managedjobs_dot_v1_dot_log__service__pb2.BatchFetchTaskLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

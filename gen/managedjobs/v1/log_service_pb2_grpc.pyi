@@ -37,6 +37,11 @@ class LogServiceStub:
     """Streams a task's logs, or the job's controller log; `follow` ends when the job is terminal."""
     FetchTaskLogs: _grpc.UnaryUnaryMultiCallable[_log_service_pb2.FetchTaskLogsRequest, _log_service_pb2.FetchTaskLogsResponse]
     """Called by a replica before it tears a cluster down: copy the task's logs off the cluster."""
+    BatchFetchTaskLogs: _grpc.UnaryUnaryMultiCallable[_log_service_pb2.BatchFetchTaskLogsRequest, _log_service_pb2.BatchFetchTaskLogsResponse]
+    """FetchTaskLogs for many clusters in one call (1-500), each judged and answered on its
+    own, as it would be alone: a fetch refused or failed carries its error in its result
+    and stores nothing; the others are stored.
+    """
     AppendControllerLogs: _grpc.UnaryUnaryMultiCallable[_log_service_pb2.AppendControllerLogsRequest, _log_service_pb2.AppendControllerLogsResponse]
     """Called by a replica: append lifecycle log lines of jobs."""
 
@@ -49,6 +54,11 @@ class LogServiceAsyncStub(LogServiceStub):
     """Streams a task's logs, or the job's controller log; `follow` ends when the job is terminal."""
     FetchTaskLogs: _aio.UnaryUnaryMultiCallable[_log_service_pb2.FetchTaskLogsRequest, _log_service_pb2.FetchTaskLogsResponse]  # type: ignore[assignment]
     """Called by a replica before it tears a cluster down: copy the task's logs off the cluster."""
+    BatchFetchTaskLogs: _aio.UnaryUnaryMultiCallable[_log_service_pb2.BatchFetchTaskLogsRequest, _log_service_pb2.BatchFetchTaskLogsResponse]  # type: ignore[assignment]
+    """FetchTaskLogs for many clusters in one call (1-500), each judged and answered on its
+    own, as it would be alone: a fetch refused or failed carries its error in its result
+    and stores nothing; the others are stored.
+    """
     AppendControllerLogs: _aio.UnaryUnaryMultiCallable[_log_service_pb2.AppendControllerLogsRequest, _log_service_pb2.AppendControllerLogsResponse]  # type: ignore[assignment]
     """Called by a replica: append lifecycle log lines of jobs."""
 
@@ -70,6 +80,17 @@ class LogServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_log_service_pb2.FetchTaskLogsResponse, _abc.Awaitable[_log_service_pb2.FetchTaskLogsResponse]]:
         """Called by a replica before it tears a cluster down: copy the task's logs off the cluster."""
+
+    @_abc_1.abstractmethod
+    def BatchFetchTaskLogs(
+        self,
+        request: _log_service_pb2.BatchFetchTaskLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_log_service_pb2.BatchFetchTaskLogsResponse, _abc.Awaitable[_log_service_pb2.BatchFetchTaskLogsResponse]]:
+        """FetchTaskLogs for many clusters in one call (1-500), each judged and answered on its
+        own, as it would be alone: a fetch refused or failed carries its error in its result
+        and stores nothing; the others are stored.
+        """
 
     @_abc_1.abstractmethod
     def AppendControllerLogs(

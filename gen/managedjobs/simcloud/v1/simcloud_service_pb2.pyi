@@ -592,6 +592,105 @@ class TerminateResponse(_message.Message):
 Global___TerminateResponse: _TypeAlias = TerminateResponse  # noqa: Y015
 
 @_typing.final
+class TerminateClustersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___TerminateRequest]: ...
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___TerminateRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateClustersRequest: _TypeAlias = TerminateClustersRequest  # noqa: Y015
+
+@_typing.final
+class TerminateClustersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___TerminateResult]:
+        """One per call, in the order asked."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___TerminateResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TerminateClustersResponse: _TypeAlias = TerminateClustersResponse  # noqa: Y015
+
+@_typing.final
+class TerminateResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___TerminateResponse: ...
+    @_builtins.property
+    def error(self) -> Global___CallError:
+        """What the call alone would have failed with."""
+
+    def __init__(
+        self,
+        *,
+        response: Global___TerminateResponse | None = ...,
+        error: Global___CallError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___TerminateResult: _TypeAlias = TerminateResult  # noqa: Y015
+
+@_typing.final
+class CallError(_message.Message):
+    """Why one call of a batch failed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The gRPC status code (google.rpc.Code), e.g. 9 for FAILED_PRECONDITION."""
+    message: _builtins.str
+    reason: _builtins.str
+    """The ErrorInfo reason, e.g. STALE_EPOCH."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CallError: _TypeAlias = CallError  # noqa: Y015
+
+@_typing.final
 class NotifyPreemptionRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

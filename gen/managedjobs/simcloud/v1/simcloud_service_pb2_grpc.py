@@ -66,6 +66,11 @@ class SimCloudServiceStub:
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateResponse.FromString,
                 _registered_method=True)
+        self.TerminateClusters = channel.unary_unary(
+                '/managedjobs.simcloud.v1.SimCloudService/TerminateClusters',
+                request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateClustersRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateClustersResponse.FromString,
+                _registered_method=True)
         self.NotifyPreemption = channel.unary_unary(
                 '/managedjobs.simcloud.v1.SimCloudService/NotifyPreemption',
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.NotifyPreemptionRequest.SerializeToString,
@@ -137,6 +142,16 @@ class SimCloudServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TerminateClusters(self, request, context):
+        """Many Terminate calls in one (1-1000), each judged and answered on its own, as it
+        would be alone: an item that fails carries its error in its result and fails
+        nothing else. Answers once every item is done. An item out of range fails the
+        whole call (INVALID_ARGUMENT naming it, nothing done), as does an outage.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def NotifyPreemption(self, request, context):
         """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
         holding the deadline (recorded in the cluster, a line in the task's log).
@@ -192,6 +207,11 @@ def add_SimCloudServiceServicer_to_server(servicer, server):
                     servicer.Terminate,
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateRequest.FromString,
                     response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateResponse.SerializeToString,
+            ),
+            'TerminateClusters': grpc.unary_unary_rpc_method_handler(
+                    servicer.TerminateClusters,
+                    request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateClustersRequest.FromString,
+                    response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateClustersResponse.SerializeToString,
             ),
             'NotifyPreemption': grpc.unary_unary_rpc_method_handler(
                     servicer.NotifyPreemption,
@@ -334,6 +354,33 @@ class SimCloudService:
             '/managedjobs.simcloud.v1.SimCloudService/Terminate',
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateRequest.SerializeToString,
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TerminateClusters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.simcloud.v1.SimCloudService/TerminateClusters',
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateClustersRequest.SerializeToString,
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.TerminateClustersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,6 +62,12 @@ class SimCloudServiceStub:
     returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
     when a newer epoch of the job holds it.
     """
+    TerminateClusters: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.TerminateClustersRequest, _simcloud_service_pb2.TerminateClustersResponse]
+    """Many Terminate calls in one (1-1000), each judged and answered on its own, as it
+    would be alone: an item that fails carries its error in its result and fails
+    nothing else. Answers once every item is done. An item out of range fails the
+    whole call (INVALID_ARGUMENT naming it, nothing done), as does an outage.
+    """
     NotifyPreemption: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.NotifyPreemptionRequest, _simcloud_service_pb2.NotifyPreemptionResponse]
     """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
     holding the deadline (recorded in the cluster, a line in the task's log).
@@ -111,6 +117,12 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
     first and the cluster goes after `grace_seconds` (at once when the task ended);
     returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
     when a newer epoch of the job holds it.
+    """
+    TerminateClusters: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.TerminateClustersRequest, _simcloud_service_pb2.TerminateClustersResponse]  # type: ignore[assignment]
+    """Many Terminate calls in one (1-1000), each judged and answered on its own, as it
+    would be alone: an item that fails carries its error in its result and fails
+    nothing else. Answers once every item is done. An item out of range fails the
+    whole call (INVALID_ARGUMENT naming it, nothing done), as does an outage.
     """
     NotifyPreemption: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.NotifyPreemptionRequest, _simcloud_service_pb2.NotifyPreemptionResponse]  # type: ignore[assignment]
     """Passes a preemption notice on to a cluster's task: SIGTERM and the notice file
@@ -182,6 +194,18 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
         first and the cluster goes after `grace_seconds` (at once when the task ended);
         returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
         when a newer epoch of the job holds it.
+        """
+
+    @_abc_1.abstractmethod
+    def TerminateClusters(
+        self,
+        request: _simcloud_service_pb2.TerminateClustersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_simcloud_service_pb2.TerminateClustersResponse, _abc.Awaitable[_simcloud_service_pb2.TerminateClustersResponse]]:
+        """Many Terminate calls in one (1-1000), each judged and answered on its own, as it
+        would be alone: an item that fails carries its error in its result and fails
+        nothing else. Answers once every item is done. An item out of range fails the
+        whole call (INVALID_ARGUMENT naming it, nothing done), as does an outage.
         """
 
     @_abc_1.abstractmethod
