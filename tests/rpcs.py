@@ -81,6 +81,9 @@ REQUESTS: dict[str, message.Message] = {
         cluster_names=["matrix"]
     ),
     "/managedjobs.simcloud.v1.SimCloudService/ReadLogs": spb.ReadLogsRequest(cluster_name="matrix"),
+    "/managedjobs.simcloud.v1.SimCloudService/GetLogs": spb.GetLogsRequest(
+        cluster_names=["matrix"]
+    ),
     "/managedjobs.simcloud.v1.SimCloudService/WatchEvents": spb.WatchEventsRequest(),
     "/managedjobs.simcloud.v1.SimCloudService/ListRegions": spb.ListRegionsRequest(),
     "/managedjobs.simcloud.v1.SimOperatorService/PreemptCluster": spb.PreemptClusterRequest(

@@ -25,11 +25,13 @@ class Sender:
         return [ValueError(f"{i} refused") if i == "bad" else f"{key}:{i}" for i in items]
 
 
-async def one_in_flight() -> tuple[Sender, Coalescer[str, str, str], asyncio.Task[str]]:
+async def one_in_flight(
+    in_flight: int = 1,
+) -> tuple[Sender, Coalescer[str, str, str], asyncio.Task[str]]:
     """A coalescer whose first call ("1") is sent and held in flight."""
     sender = Sender()
     sender.hold = asyncio.Event()
-    coalescer: Coalescer[str, str, str] = Coalescer(sender.send)
+    coalescer: Coalescer[str, str, str] = Coalescer(sender.send, in_flight=in_flight)
     first = asyncio.create_task(coalescer.call("k", "1"))
     await asyncio.sleep(0)
     await asyncio.sleep(0)
@@ -57,6 +59,21 @@ async def test_a_lone_call_goes_at_once_and_calls_made_meanwhile_go_next_togethe
     assert await first == "k:1"
     assert [await task for task in later] == ["k:2", "k:3"]
     assert sender.batches == [("k", ["1"]), ("k", ["2", "3"])]
+
+
+async def test_up_to_in_flight_batches_go_at_once_and_the_rest_wait_for_one() -> None:
+    sender, coalescer, first = await one_in_flight(in_flight=2)
+    second = [asyncio.create_task(coalescer.call("k", str(n))) for n in (2, 3)]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert sender.batches == [("k", ["1"]), ("k", ["2", "3"])]  # went without waiting
+    third = asyncio.create_task(coalescer.call("k", "4"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert len(sender.batches) == 2  # two are out: it waits for one of them
+    sender.hold.set()
+    assert [await t for t in [first, *second, third]] == ["k:1", "k:2", "k:3", "k:4"]
+    assert sender.batches[2] == ("k", ["4"])
 
 
 async def test_an_item_that_fails_fails_only_its_own_caller() -> None:

@@ -51,6 +51,11 @@ async def preempt_and_relaunch(system: System, first: bytes, *, fetch: bool = Tr
 async def test_two_attempts_are_stored_apart_and_read_back_by_attempt(system: System) -> None:
     system.scheduler.add(1)
     await preempt_and_relaunch(system, b"first try")
+    # Attempt 1 alone is one file: its index is written once a second attempt joins it.
+    index_path = system.data_dir / "logs" / "1" / "task-0.sections.json"
+    assert (system.data_dir / "logs" / "1" / "task-0.log").read_bytes() == b"first try"
+    assert not index_path.exists()
+    assert await system.read(job_id=1, attempt=1) == b"first try"
     system.backend.write(C, b"second try\n")
     system.backend.finish(C)
     system.scheduler.update(1, status=SUCCEEDED)
@@ -64,7 +69,7 @@ async def test_two_attempts_are_stored_apart_and_read_back_by_attempt(system: Sy
     assert await system.read(job_id=1, attempt=2, tail_lines=1) == b"second try\n"
     assert await Follow(system, job_id=1, attempt=1).to_end() == b"first try"
     assert await Follow(system, job_id=1, attempt=2).to_end() == b"second try\n"
-    index = json.loads((system.data_dir / "logs" / "1" / "task-0.sections.json").read_text())
+    index = json.loads(index_path.read_text())
     assert [(s["attempt"], s["cluster_name"]) for s in index["sections"]] == [(1, C), (2, C)]
     with pytest.raises(grpc.aio.AioRpcError) as raised:
         await system.read(job_id=1, attempt=3)

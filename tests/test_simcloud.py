@@ -487,6 +487,38 @@ async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_o
     assert await backend.cluster_exists(two.cluster_name)
 
 
+async def test_log_reads_asked_for_at_once_share_one_call_and_a_big_log_is_read_alone(
+    backend: SimBackend, running: RunningCloud
+) -> None:
+    line = "x" * 999
+    handles = []
+    for job in range(1, 5):
+        # About 1 MB of log each: three fit in one answer (3 MiB), the fourth is left out.
+        sim = {"runtime_seconds": 1, "log_lines": [f"{job}{line}"] * 1000}
+        handles.append(await backend.launch(task(job, use_spot=False, sim=sim)))
+    for handle in handles:
+        async for _ in backend.tail_logs(handle):
+            pass  # to the end of the task: its whole log is written
+    before = backend.log_reads.batches
+    logs = await asyncio.gather(
+        *(backend.read_logs(handle) for handle in handles),
+        backend.read_logs(backend.handle_for("never-launched")),
+    )
+    assert backend.log_reads.batches == before + 1
+    assert [log == f"{job}{line}\n".encode() * 1000 for job, log in enumerate(logs[:4], 1)] == [
+        True
+    ] * 4
+    assert logs[4] == b""
+    with pytest.raises(PrecheckError):
+        await backend.read_logs(backend.handle_for("../etc"))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        request = pb.GetLogsRequest(cluster_names=[h.cluster_name for h in handles])
+        reply = await pb_grpc.SimCloudServiceStub(channel).GetLogs(request)
+    assert [(log.omitted, len(log.data)) for log in reply.logs] == [(False, 1_001_000)] * 3 + [
+        (True, 0)
+    ]
+
+
 async def test_preemption_is_pushed_on_the_event_stream(
     backend: SimBackend, operator: pb_grpc.SimOperatorServiceAsyncStub
 ) -> None:

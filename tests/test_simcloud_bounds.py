@@ -163,6 +163,17 @@ BAD: list[tuple[str, Call, str]] = [
         lambda c: c.cloud.Terminate(pb.TerminateRequest(cluster_name="c", epoch=-2)),
         "epoch",
     ),
+    ("get-logs-none", lambda c: c.cloud.GetLogs(pb.GetLogsRequest()), "cluster_names"),
+    (
+        "get-logs-too-many",
+        lambda c: c.cloud.GetLogs(pb.GetLogsRequest(cluster_names=["c"] * 1001)),
+        "cluster_names",
+    ),
+    (
+        "get-logs-bad-name",
+        lambda c: c.cloud.GetLogs(pb.GetLogsRequest(cluster_names=["existing", "../etc"])),
+        "cluster_names[1]",
+    ),
     (
         "terminate-many-none",
         lambda c: c.cloud.TerminateClusters(pb.TerminateClustersRequest()),

@@ -317,6 +317,30 @@ async def test_a_status_change_costs_the_same_whatever_the_chain_length(store: S
     assert per_length[3] == per_length[300], per_length
 
 
+async def test_a_batch_of_finished_jobs_reads_their_tasks_in_one_statement(store: Store) -> None:
+    """Each job of a batch ends as it would alone (a task cancelled in the same batch
+    stays CANCELLED, a task never started is closed), with one read of unfinished tasks
+    for the whole batch rather than one per job, and no write between the reads."""
+    ids = [(await store.submit(new_job(chain(2))))[0] for _ in range(20)]
+    epochs = [await assign(store, job_id) for job_id in ids]
+    for status in (S.STARTING, S.RUNNING, S.CANCELLING):
+        await accepted(
+            store, "c1", *[transition(j, e, status) for j, e in zip(ids, epochs, strict=True)]
+        )
+    with statements(store) as seen:
+        reports = []
+        for job_id, epoch in zip(ids, epochs, strict=True):
+            reports += [transition(job_id, epoch, S.CANCELLED), finished(job_id, epoch)]
+        await accepted(store, "c1", *reports)
+    task_reads = [q for q in seen if q.lstrip().startswith("SELECT") and "FROM tasks" in q]
+    # The tasks the transitions name, then the unfinished tasks of the finished jobs.
+    assert len(task_reads) == 2, task_reads
+    for job_id in ids:
+        job = await store.get_job(job_id)
+        assert job is not None and job.schedule_state == St.DONE
+        assert [t.status for t in job.tasks] == [S.CANCELLED, S.CANCELLED]
+
+
 async def test_finish_closes_unfinished_tasks_along_the_table(store: Store) -> None:
     followed = Followed(store)
     job_id, _ = await store.submit(new_job(chain(3)))

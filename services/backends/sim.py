@@ -34,7 +34,8 @@ Durations the cloud is given are simulated seconds: `terminate`'s grace, like
 the `sim` key's runtime, passes `time_scale` times faster than real time, and
 the Terminate call, which returns once the cluster is gone, may take that long.
 Stops and teardowns asked for at once go as one TerminateClusters call per grace
-(`terminations`), each item answered, and failed, on its own.
+(`terminations`), each item answered, and failed, on its own; log reads asked for
+at once go as one GetLogs call (`log_reads`).
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
 ended has nothing to tell and the call returns quietly.
@@ -237,6 +238,11 @@ class SimBackend(Backend):
         self.terminations: Coalescer[tuple[bool, float], pb.TerminateRequest, None] = Coalescer(
             self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH
         )
+        # Log reads asked for at once (the logs service fetching many clusters' logs
+        # before their teardown) go as one GetLogs call.
+        self.log_reads: Coalescer[None, str, bytes | None] = Coalescer(
+            self._get_logs, max_batch=GET_CLUSTERS_BATCH
+        )
 
     def _cloud(self) -> pb_grpc.SimCloudServiceAsyncStub:
         if self._stub is None:
@@ -392,7 +398,23 @@ class SimBackend(Backend):
         return cluster is not None and cluster.status != pb.CLUSTER_STATUS_TERMINATED
 
     async def read_logs(self, handle: ClusterHandle) -> bytes:
-        return b"".join([chunk async for chunk in self._logs(handle, follow=False)])
+        """The log as it is now; reads asked for at once share one GetLogs call."""
+        if not NAME_RE.fullmatch(handle.cluster_name):
+            raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
+        data = await self.log_reads.call(None, handle.cluster_name)
+        if data is None:  # too big to share an answer: read alone
+            data = b"".join([chunk async for chunk in self._logs(handle, follow=False)])
+        return data
+
+    async def _get_logs(self, _: None, names: list[str]) -> list[bytes | BaseException | None]:
+        """One GetLogs call; None for a log left out of the answer."""
+        try:
+            reply = await self._cloud().GetLogs(
+                pb.GetLogsRequest(cluster_names=names), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            raise backend_error(exc) from exc
+        return [None if log.omitted else log.data for log in reply.logs]
 
     def tail_logs(self, handle: ClusterHandle) -> AsyncIterator[bytes]:
         return self._logs(handle, follow=True)

@@ -86,6 +86,7 @@ POLICY: Mapping[str, Rule] = {
         GetCluster=_rule(CONTROLLER, ADMIN, SERVICE),
         GetClusters=_rule(CONTROLLER, ADMIN, SERVICE),
         ReadLogs=_rule(CONTROLLER, ADMIN, SERVICE),
+        GetLogs=_rule(CONTROLLER, ADMIN, SERVICE),
         WatchEvents=_rule(CONTROLLER, ADMIN, SERVICE),
         ListRegions=_rule(CONTROLLER, ADMIN, SERVICE),
     ),

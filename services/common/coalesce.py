@@ -2,16 +2,18 @@
 
 Many lifecycles on a replica end at once when a user cancels all their jobs: each
 stops its task and tears its cluster down, and one RPC per cluster costs each side
-gRPC's fixed price per call. A `Coalescer` gathers the calls of one kind that are
-made while a batch of that kind is in flight, or in the same turn of the event
-loop, and sends them as one batched call; each caller still gets its own result,
-or the error its item failed with alone.
+gRPC's fixed price per call. A `Coalescer` gathers the calls of one kind made in
+the same turn of the event loop, or while `in_flight` batches of that kind are
+out, and sends them as one batched call; each caller still gets its own result, or
+the error its item failed with alone.
 
 Calls are grouped by a key: only items that would take the same time go together
-(a stop with a 30 s grace must not hold up a teardown without one). A lone call
-goes on the next turn of the event loop: batching never waits for company. A
-caller that gives up before its batch leaves drops out of it; one that gives up
-later leaves its item to finish without it (the batched calls are idempotent).
+(a stop with a 30 s grace must not hold up a teardown without one). A call goes on
+the next turn of the event loop with every other call of its key made until then;
+when `in_flight` batches of the key are out already, it goes with the next batch,
+once one of them is answered. Batching never waits for company. A caller that
+gives up before its batch leaves drops out of it; one that gives up later leaves
+its item to finish without it (the batched calls are idempotent).
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 MAX_BATCH = 1000
+# Batches of one key sent at the same time at most: a batch gathered while others are in
+# flight goes at once, rather than wait for them (their answers may be slow).
+IN_FLIGHT = 4
 
 # Sends one batch: one outcome per item, in order; an item that failed alone is the
 # exception it raised. An exception raised by the send itself fails every item.
@@ -32,11 +37,14 @@ Send = Callable[[K, list[T]], Awaitable[list[R | BaseException]]]
 
 
 class Coalescer(Generic[K, T, R]):
-    def __init__(self, send: Send[K, T, R], max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self, send: Send[K, T, R], max_batch: int = MAX_BATCH, in_flight: int = IN_FLIGHT
+    ) -> None:
         self._send = send
         self._max_batch = max_batch
+        self._in_flight = in_flight
         self._pending: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
-        self._senders: dict[K, asyncio.Task[None]] = {}
+        self._senders: dict[K, set[asyncio.Task[None]]] = {}
         # Batches sent so far, for tests and metrics.
         self.batches = 0
 
@@ -44,11 +52,14 @@ class Coalescer(Generic[K, T, R]):
         """Sends `item` with whatever else of the same key goes now; its own outcome."""
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, []).append((item, future))
-        if key not in self._senders:
-            self._senders[key] = asyncio.create_task(self._drain(key), name="coalesce")
+        senders = self._senders.setdefault(key, set())
+        if len(senders) < self._in_flight:
+            # It starts on the next turn of the loop: calls made in this one go with it.
+            senders.add(asyncio.create_task(self._sender(key), name="coalesce"))
         return await future
 
-    async def _drain(self, key: K) -> None:
+    async def _sender(self, key: K) -> None:
+        """Sends batches of the key while callers wait, one at a time."""
         batch: list[tuple[T, asyncio.Future[R]]] = []
         try:
             while waiting := [p for p in self._pending.pop(key, []) if not p[1].done()]:
@@ -70,9 +81,16 @@ class Coalescer(Generic[K, T, R]):
                         future.set_exception(outcome)
                     else:
                         future.set_result(outcome)
+                batch = []
         finally:
-            del self._senders[key]
+            senders = self._senders[key]
+            senders.discard(asyncio.current_task())
+            if not senders:
+                del self._senders[key]
             # Cancelled mid-send (the process is closing): nobody is left to answer these.
-            for _, future in batch + self._pending.pop(key, []):
+            for _, future in batch:
                 if not future.done():
+                    future.cancel()
+            if not senders:
+                for _, future in self._pending.pop(key, []):
                     future.cancel()

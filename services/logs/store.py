@@ -3,7 +3,8 @@
 Layout under the store's root (`<data_dir>/logs`):
 
     <job_id>/task-<task_id>.log            every fetched attempt of the task, in order
-    <job_id>/task-<task_id>.sections.json  where each attempt starts and ends
+    <job_id>/task-<task_id>.sections.json  where each attempt starts and ends (none while
+                                           the log holds attempt 1 alone, most tasks' case)
     <job_id>/controller.log                the job's lifecycle lines, appended
 
 A task's attempts are numbered 1, then one more per recovery or restart (SPEC §18);
@@ -13,7 +14,10 @@ a cluster of the same name.
 Invariants:
 - A task log is only ever replaced whole (temp file + `os.replace`, the log before
   its index), so a reader sees an old or a new copy, never a torn one, and an index
-  never points past the end of the log it describes.
+  never points past the end of the log it describes. Every file is synced to disk
+  before it takes its place. Logs saved at once (many jobs ending together) are
+  written in a few trips to worker threads: all their files first, then synced,
+  then put in place, so one journal commit serves many syncs.
 - Attempts are kept in the order of their numbers, whatever order they were fetched
   in, and joined with `separator()`, exactly as a live follower joins the clusters
   it tails, so "byte N of this attempt's log" means the same thing live and in the
@@ -34,11 +38,13 @@ import collections
 import dataclasses
 import json
 import os
-import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+
+from services.backends.base import cluster_name
+from services.common.coalesce import Coalescer
 
 CHUNK_BYTES = 64 * 1024
 # Controller logs kept open for appending, most recently written last: a job's lines
@@ -128,6 +134,9 @@ class LogStore:
             weakref.WeakValueDictionary()
         )
         self._appenders: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
+        # Task logs saved at once are written in one trip to a worker thread (a few at a
+        # time): a thread hop per log costs more than the write.
+        self._writes: Coalescer[None, _Write, None] = Coalescer(self._write, max_batch=64)
 
     def task_path(self, job_id: int, task_id: int) -> Path:
         return self.root / str(job_id) / f"task-{task_id}.log"
@@ -191,11 +200,13 @@ class LogStore:
         try:
             raw = json.loads(_index_path(path).read_text())
         except FileNotFoundError:
-            if not path.exists():
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
                 return None
-            # A log without an index: one attempt of unknown origin.
-            size = path.stat().st_size
-            return TaskLog(path, (Section(1, "", 0, size),))
+            # A log without an index holds attempt 1 alone (every attempt of a task runs
+            # on a cluster of the same name).
+            return TaskLog(path, (Section(1, cluster_name(job_id, task_id), 0, size),))
         return TaskLog(path, _sections(raw["sections"]))
 
     async def save_task_attempt(
@@ -207,16 +218,28 @@ class LogStore:
             lock = asyncio.Lock()
             self._locks[(job_id, task_id)] = lock
         async with lock:
-            current = self.task_log(job_id, task_id)
-            await asyncio.to_thread(
-                _rewrite,
-                current,
-                self.task_path(job_id, task_id),
-                Section(attempt, cluster_name, 0, len(data)),
-                data,
+            await self._writes.call(
+                None, (job_id, task_id, Section(attempt, cluster_name, 0, len(data)), data)
             )
         self._notify(job_id)
         return len(data)
+
+    async def _write(self, _: None, writes: list[_Write]) -> list[BaseException | None]:
+        """Writes attempts' logs in one trip to a worker thread; each failure its own."""
+        return await asyncio.to_thread(self._write_all, writes)
+
+    def _write_all(self, writes: list[_Write]) -> list[BaseException | None]:
+        batches: list[list[_File]] = []
+        failed: dict[int, OSError] = {}
+        for number, (job_id, task_id, section, data) in enumerate(writes):
+            path = self.task_path(job_id, task_id)
+            try:
+                batches.append(_files(self.task_log(job_id, task_id), path, section, data))
+            except OSError as error:
+                failed[number] = error
+                batches.append([])
+        written = _write_files(batches)
+        return [failed.get(number) or outcome for number, outcome in enumerate(written)]
 
     def read_range(self, path: Path, start: int, end: int | None = None) -> Iterator[bytes]:
         """Bytes [start, end) of a file in chunks; stops early at the end of the file."""
@@ -270,6 +293,12 @@ class LogStore:
         return start
 
 
+# A task log to write: job, task, the attempt's section (offset 0), its bytes.
+_Write = tuple[int, int, "Section", bytes]
+# A file to write whole: its path and bytes.
+_File = tuple[Path, bytes]
+
+
 def _index_path(log_path: Path) -> Path:
     return log_path.with_suffix(".sections.json")
 
@@ -288,8 +317,9 @@ def _sections(items: list[dict[str, Any]]) -> tuple[Section, ...]:
     )
 
 
-def _rewrite(current: TaskLog | None, path: Path, new: Section, data: bytes) -> None:
-    """Writes the task log with `new` replacing its attempt's section or added, atomically."""
+def _files(current: TaskLog | None, path: Path, new: Section, data: bytes) -> list[_File]:
+    """The files of the task log with `new` replacing its attempt's section or added: the
+    log, then its index (none for attempt 1 alone)."""
     parts: list[tuple[Section, bytes]] = []
     if current is not None:
         old = path.read_bytes()
@@ -303,20 +333,55 @@ def _rewrite(current: TaskLog | None, path: Path, new: Section, data: bytes) -> 
             content += separator(bytes(content[-1:]))
         sections.append(dataclasses.replace(section, offset=len(content), size=len(body)))
         content += body
+    if current is None and new.attempt == 1:
+        return [(path, bytes(content))]
     index_json = json.dumps({"sections": [dataclasses.asdict(s) for s in sections]})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    _replace(path, bytes(content))
-    _replace(_index_path(path), index_json.encode())
+    return [(path, bytes(content)), (_index_path(path), index_json.encode())]
 
 
-def _replace(path: Path, data: bytes) -> None:
-    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+def _write_files(batches: list[list[_File]]) -> list[OSError | None]:
+    """Writes each batch's files atomically (log before index), every file durable before
+    any replaces its old copy; a failure fails only its own batch.
+
+    All files are written first and synced after: one journal commit then serves many
+    fsyncs. Temporary names are fixed (`<name>.tmp`): the store writes a task's log
+    under its lock, one writer at a time.
+    """
+    outcomes: list[OSError | None] = [None] * len(batches)
+    for number, files in enumerate(batches):
+        try:
+            for path, data in files:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                _temp(path).write_bytes(data)
+        except OSError as error:
+            outcomes[number] = error
+    for number, files in enumerate(batches):
+        if outcomes[number] is not None:
+            _discard(files)
+            continue
+        try:
+            for path, _ in files:
+                _fsync(_temp(path))
+            for path, _ in files:
+                os.replace(_temp(path), path)
+        except OSError as error:
+            outcomes[number] = error
+            _discard(files)
+    return outcomes
+
+
+def _temp(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, path)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _discard(files: list[_File]) -> None:
+    for path, _ in files:
+        _temp(path).unlink(missing_ok=True)

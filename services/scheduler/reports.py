@@ -20,7 +20,7 @@ reason to fail a job, nor to fail the batch it came in.
 
 Every status change costs O(1) in the length of the chain: the job row keeps the
 index of its current task, so a transition reads and writes the job, the task,
-and at most the next task. A batch reads every row its reports touch in three
+and at most the next task. A batch reads every row its reports touch in four
 queries up front (`_prefetch`) and writes them back in one flush, so its cost in
 round trips to the database does not grow with its size.
 """
@@ -33,7 +33,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import select, tuple_, update
+from sqlalchemy import Select, select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
@@ -182,6 +182,8 @@ class Loaded:
     attempts: dict[tuple[int, int, int], AttemptRow | None] = dataclasses.field(
         default_factory=dict
     )
+    # The tasks not finished in the database, of each job a JobFinished names.
+    unfinished: dict[int, list[TaskRow]] = dataclasses.field(default_factory=dict)
 
 
 def _loaded(txn: Txn) -> Loaded:
@@ -197,6 +199,7 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
     Later reads of these keys in the transaction need no round trip, found or not.
     """
     job_ids: set[int] = set()
+    finished_ids: set[int] = set()
     task_keys: set[tuple[int, int]] = set()
     attempt_keys: set[tuple[int, int, int]] = set()
     for request in requests:
@@ -212,7 +215,8 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
             if t.attempt > 0:
                 attempt_keys.add((t.job_id, t.task_id, t.attempt))
         elif kind == "job_finished":
-            job_ids.add(request.job_finished.job_id)
+            finished_ids.add(request.job_finished.job_id)
+    job_ids |= finished_ids
     if not job_ids:
         return
     session = txn.session
@@ -237,6 +241,11 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
         )
         found = {(a.job_id, a.task_id, a.attempt): a for a in rows3}
         loaded.attempts.update({k: found.get(k) for k in attempt_keys})
+    if finished_ids:
+        unfinished: dict[int, list[TaskRow]] = {job_id: [] for job_id in finished_ids}
+        for task in await session.scalars(_unfinished_tasks(sorted(finished_ids))):
+            unfinished[task.job_id].append(task)
+        loaded.unfinished.update(unfinished)
 
 
 def checked(request: pb.ConnectControllerRequest) -> pb.ConnectControllerRequest:
@@ -451,13 +460,11 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     job = await _held_job(txn, job_id, epoch, cid)
     if job.schedule_state == St.DONE:
         return
-    unfinished = list(
-        await txn.session.scalars(
-            select(TaskRow)
-            .where(TaskRow.job_id == job_id, TaskRow.status.not_in(list(TERMINAL)))
-            .with_for_update()
-        )
-    )
+    loaded = _loaded(txn)
+    if job_id in loaded.unfinished:
+        unfinished = loaded.unfinished[job_id]
+    else:
+        unfinished = list(await txn.session.scalars(_unfinished_tasks([job_id])))
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
             continue  # finished earlier in this batch (the query saw the stored status)
@@ -477,6 +484,15 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     job.wait_reason = ""
     txn.event(job.id, job.current_task, S(job.status), St.DONE, "done", epoch)
     txn.moves.append(Move(job_id, cid, cid, epoch, prior, St.DONE))
+
+
+def _unfinished_tasks(job_ids: list[int]) -> Select[TaskRow]:
+    """The jobs' tasks not in a terminal status, locked."""
+    return (
+        select(TaskRow)
+        .where(TaskRow.job_id.in_(job_ids), TaskRow.status.not_in(list(TERMINAL)))
+        .with_for_update()
+    )
 
 
 async def release(

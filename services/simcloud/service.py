@@ -40,6 +40,8 @@ Context = grpc.aio.ServicerContext[Any, Any]
 CLOUD_SERVICE = "managedjobs.simcloud.v1.SimCloudService"
 OPERATOR_SERVICE = "managedjobs.simcloud.v1.SimOperatorService"
 LOG_CHUNK = 64 * 1024
+# The log bytes one GetLogs answer carries at most (gRPC's limit on a message is 4 MiB).
+GET_LOGS_BYTES = 3 * 1024 * 1024
 DEFAULT_PAGE = 1000
 _PAGE_TOKEN_RE = re.compile(r"[0-9]{1,19}")
 
@@ -186,6 +188,29 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
             timeout = None if due is None else max(0.001, clock.real_delay(due - clock.now()))
             await self.cloud.events.wait(timeout)
             self.cloud.check_reachable()
+
+    @rpc_errors
+    async def GetLogs(self, request: pb.GetLogsRequest, context: Context) -> pb.GetLogsResponse:
+        names = request.cluster_names
+        if not names:
+            raise InvalidArgument("cluster_names: name at least one cluster", field="cluster_names")
+        bounds.names(names, "cluster_names", bounds.MAX_NAMES_PER_CALL)
+        self.cloud.check_reachable()
+        now = self.cloud.clock.now()
+        reply = pb.GetLogsResponse()
+        room = GET_LOGS_BYTES
+        for name in names:
+            log = reply.logs.add(cluster_name=name)
+            cluster = self.cloud.find(name)
+            if cluster is None:
+                continue
+            data = b"".join(cluster.render_chunks(0, cluster.entries_emitted(now), LOG_CHUNK))
+            if len(data) > room:
+                log.omitted = True
+                continue
+            room -= len(data)
+            log.data = data
+        return reply
 
     @rpc_errors
     async def WatchEvents(

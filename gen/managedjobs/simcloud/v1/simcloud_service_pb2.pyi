@@ -793,6 +793,74 @@ class ReadLogsResponse(_message.Message):
 Global___ReadLogsResponse: _TypeAlias = ReadLogsResponse  # noqa: Y015
 
 @_typing.final
+class GetLogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_NAMES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def cluster_names(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        cluster_names: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_names", b"cluster_names"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLogsRequest: _TypeAlias = GetLogsRequest  # noqa: Y015
+
+@_typing.final
+class GetLogsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOGS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def logs(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterLog]:
+        """One per name asked, in order."""
+
+    def __init__(
+        self,
+        *,
+        logs: _abc.Iterable[Global___ClusterLog] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logs", b"logs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetLogsResponse: _TypeAlias = GetLogsResponse  # noqa: Y015
+
+@_typing.final
+class ClusterLog(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLUSTER_NAME_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    OMITTED_FIELD_NUMBER: _builtins.int
+    cluster_name: _builtins.str
+    data: _builtins.bytes
+    omitted: _builtins.bool
+    """The log did not fit in this answer: read it alone with ReadLogs."""
+    def __init__(
+        self,
+        *,
+        cluster_name: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+        omitted: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_name", b"cluster_name", "data", b"data", "omitted", b"omitted"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterLog: _TypeAlias = ClusterLog  # noqa: Y015
+
+@_typing.final
 class ClusterEvent(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -81,6 +81,11 @@ class SimCloudServiceStub:
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ReadLogsRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ReadLogsResponse.FromString,
                 _registered_method=True)
+        self.GetLogs = channel.unary_unary(
+                '/managedjobs.simcloud.v1.SimCloudService/GetLogs',
+                request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetLogsRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetLogsResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/managedjobs.simcloud.v1.SimCloudService/WatchEvents',
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.WatchEventsRequest.SerializeToString,
@@ -168,6 +173,16 @@ class SimCloudServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetLogs(self, request, context):
+        """The logs of many clusters as they are now (1-1000 names), in the order asked, as
+        ReadLogs without `follow` would stream them; a name never launched has an empty
+        log. Logs go in while the answer stays within 3 MiB; one left out says so
+        (`omitted`) and is read alone with ReadLogs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Every cluster and task status change and every preemption notice, in sequence
         order. The first message carries no event, only `head_seq`; resume a broken stream
@@ -222,6 +237,11 @@ def add_SimCloudServiceServicer_to_server(servicer, server):
                     servicer.ReadLogs,
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ReadLogsRequest.FromString,
                     response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ReadLogsResponse.SerializeToString,
+            ),
+            'GetLogs': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetLogs,
+                    request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetLogsRequest.FromString,
+                    response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetLogsResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -435,6 +455,33 @@ class SimCloudService:
             '/managedjobs.simcloud.v1.SimCloudService/ReadLogs',
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ReadLogsRequest.SerializeToString,
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.ReadLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.simcloud.v1.SimCloudService/GetLogs',
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetLogsRequest.SerializeToString,
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,6 +75,12 @@ class SimCloudServiceStub:
     """
     ReadLogs: _grpc.UnaryStreamMultiCallable[_simcloud_service_pb2.ReadLogsRequest, _simcloud_service_pb2.ReadLogsResponse]
     """The task's log; with `follow`, streams until the task ends or the cluster goes down."""
+    GetLogs: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetLogsRequest, _simcloud_service_pb2.GetLogsResponse]
+    """The logs of many clusters as they are now (1-1000 names), in the order asked, as
+    ReadLogs without `follow` would stream them; a name never launched has an empty
+    log. Logs go in while the answer stays within 3 MiB; one left out says so
+    (`omitted`) and is read alone with ReadLogs.
+    """
     WatchEvents: _grpc.UnaryStreamMultiCallable[_simcloud_service_pb2.WatchEventsRequest, _simcloud_service_pb2.WatchEventsResponse]
     """Every cluster and task status change and every preemption notice, in sequence
     order. The first message carries no event, only `head_seq`; resume a broken stream
@@ -131,6 +137,12 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
     """
     ReadLogs: _aio.UnaryStreamMultiCallable[_simcloud_service_pb2.ReadLogsRequest, _simcloud_service_pb2.ReadLogsResponse]  # type: ignore[assignment]
     """The task's log; with `follow`, streams until the task ends or the cluster goes down."""
+    GetLogs: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetLogsRequest, _simcloud_service_pb2.GetLogsResponse]  # type: ignore[assignment]
+    """The logs of many clusters as they are now (1-1000 names), in the order asked, as
+    ReadLogs without `follow` would stream them; a name never launched has an empty
+    log. Logs go in while the answer stays within 3 MiB; one left out says so
+    (`omitted`) and is read alone with ReadLogs.
+    """
     WatchEvents: _aio.UnaryStreamMultiCallable[_simcloud_service_pb2.WatchEventsRequest, _simcloud_service_pb2.WatchEventsResponse]  # type: ignore[assignment]
     """Every cluster and task status change and every preemption notice, in sequence
     order. The first message carries no event, only `head_seq`; resume a broken stream
@@ -226,6 +238,18 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_simcloud_service_pb2.ReadLogsResponse], _abc.AsyncIterator[_simcloud_service_pb2.ReadLogsResponse]]:
         """The task's log; with `follow`, streams until the task ends or the cluster goes down."""
+
+    @_abc_1.abstractmethod
+    def GetLogs(
+        self,
+        request: _simcloud_service_pb2.GetLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_simcloud_service_pb2.GetLogsResponse, _abc.Awaitable[_simcloud_service_pb2.GetLogsResponse]]:
+        """The logs of many clusters as they are now (1-1000 names), in the order asked, as
+        ReadLogs without `follow` would stream them; a name never launched has an empty
+        log. Logs go in while the answer stays within 3 MiB; one left out says so
+        (`omitted`) and is read alone with ReadLogs.
+        """
 
     @_abc_1.abstractmethod
     def WatchEvents(
