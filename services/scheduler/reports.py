@@ -207,12 +207,12 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
         if kind == "transition":
             t = request.transition
             job_ids.add(t.job_id)
-            # The task, and the next one in case this one finishes (the job moves on);
-            # no job has a task past MAX_TASKS (and task_id + 1 may overflow a column).
+            # The task, and the next one when this one succeeds (the job moves on to
+            # it); no job has a task past MAX_TASKS (and task_id + 1 may overflow a column).
             task_keys.add((t.job_id, t.task_id))
-            if t.task_id + 1 < MAX_TASKS:
+            if t.status == S.SUCCEEDED and t.task_id + 1 < MAX_TASKS:
                 task_keys.add((t.job_id, t.task_id + 1))
-            if t.attempt > 0:
+            if _touches_attempt(t):
                 attempt_keys.add((t.job_id, t.task_id, t.attempt))
         elif kind == "job_finished":
             finished_ids.add(request.job_finished.job_id)
@@ -401,6 +401,8 @@ async def _record_attempt(
     txn: Txn, task: TaskRow, report: pb.TaskTransition, new: JobStatus
 ) -> None:
     """Keeps the attempt's row: opened when it runs, closed with its end and exit code."""
+    if not _touches_attempt(report):
+        return
     key = (task.job_id, task.task_id, report.attempt)
     loaded = _loaded(txn)
     if key in loaded.attempts:
@@ -426,6 +428,14 @@ async def _record_attempt(
     if new != S.RUNNING and attempt.end_time is None and new not in (S.CANCELLING,):
         attempt.end_time = txn.now
         attempt.outcome = report.message or new.name
+
+
+def _touches_attempt(report: pb.TaskTransition) -> bool:
+    """Whether the report opens, closes or completes its attempt's row (CANCELLING alone
+    changes nothing there: the attempt ends with the status after it)."""
+    if report.attempt <= 0:
+        return False
+    return report.status != S.CANCELLING or report.HasField("exit_code")
 
 
 async def _follow_current_task(txn: Txn, job: JobRow, task: TaskRow) -> None:
