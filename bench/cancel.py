@@ -51,12 +51,13 @@ class Events:
         self.changed = asyncio.Event()
 
     async def follow(self, stub: job_service_pb2_grpc.JobServiceStub) -> None:
-        async for response in stub.WatchJobs(jpb.WatchJobsRequest()):
-            event, now = response.event, time.time()
-            if event.status == RUNNING:
-                self.running.setdefault(event.job_id, now)
-            elif event.status == CANCELLED:
-                self.cancelled.setdefault(event.job_id, now)
+        async for response in stub.WatchJobs(jpb.WatchJobsRequest(batched=True)):
+            now = time.time()
+            for event in response.events:
+                if event.status == RUNNING:
+                    self.running.setdefault(event.job_id, now)
+                elif event.status == CANCELLED:
+                    self.cancelled.setdefault(event.job_id, now)
             self.changed.set()
 
     async def until(self, done: dict[int, float], ids: set[int], timeout: float) -> None:

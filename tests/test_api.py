@@ -196,6 +196,34 @@ async def test_watch_streams_backlog_then_live_events(
     stream.cancel()
 
 
+async def test_a_batched_watch_sends_every_event_ready_at_once_in_one_response(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    before = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n"))).job_id
+    stream = client.WatchJobs(pb.WatchJobsRequest(batched=True))
+    backlog = await stream.read()
+    assert [e.job_id for e in backlog.events] == [before] and not backlog.HasField("event")
+    request = pb.SubmitJobsRequest(jobs=[pb.SubmitJobRequest(spec_yaml="run: x\n")] * 5)
+    ids = list((await client.SubmitJobs(request)).job_ids)
+    # One transaction's five events reach the watcher together, in order.
+    live = await stream.read()
+    assert [(e.job_id, e.message) for e in live.events] == [(i, "submitted") for i in ids]
+    await client.CancelJobs(pb.CancelJobsRequest(job_ids=ids))
+    cancelled = await stream.read()
+    assert [(e.job_id, e.status) for e in cancelled.events] == [
+        (i, JobStatus.CANCELLED) for i in ids
+    ]
+    stream.cancel()
+    # An unbatched watch of the same events gets them one per response.
+    plain = client.WatchJobs(pb.WatchJobsRequest(after_event_id=backlog.events[0].event_id))
+    singles = [await plain.read() for _ in range(10)]
+    plain.cancel()
+    assert [r.event.event_id for r in singles] == [
+        e.event_id for e in (*live.events, *cancelled.events)
+    ]
+    assert all(not r.events for r in singles)
+
+
 async def test_waiting_jobs_say_why(client: job_service_pb2_grpc.JobServiceStub) -> None:
     low = await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n", priority=-5))
     high = await client.SubmitJob(pb.SubmitJobRequest(spec_yaml="run: x\n", priority=10))

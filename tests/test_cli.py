@@ -477,7 +477,10 @@ class FakeJobs(job_service_pb2_grpc.JobServiceServicer):
                 if event.job_id in self.jobs:  # an event is a change of the job
                     job = self.jobs[event.job_id]
                     job.status = job.tasks[event.task_id].status = event.status
-                yield job_service_pb2.WatchJobsResponse(event=event)
+                if request.batched:
+                    yield job_service_pb2.WatchJobsResponse(events=[event])
+                else:
+                    yield job_service_pb2.WatchJobsResponse(event=event)
 
 
 class FakeLogs(log_service_pb2_grpc.LogServiceServicer):

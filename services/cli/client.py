@@ -203,14 +203,17 @@ class Client:
         while True:
             delivered = False
             call = self._jobs().WatchJobs(
-                job_service_pb2.WatchJobsRequest(job_ids=job_ids, after_event_id=after_event_id),
+                job_service_pb2.WatchJobsRequest(
+                    job_ids=job_ids, after_event_id=after_event_id, batched=True
+                ),
             )
             try:
                 with _calling(SCHEDULER, self.scheduler_address):
                     for response in call:
-                        delivered = True
-                        after_event_id = response.event.event_id
-                        yield response.event
+                        for event in response.events:
+                            delivered = True
+                            after_event_id = event.event_id
+                            yield event
                 return
             except ServiceError as error:
                 if error.code != grpc.StatusCode.UNAVAILABLE or not delivered:

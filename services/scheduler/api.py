@@ -50,6 +50,8 @@ MAX_PRIORITY = 1000
 MAX_KEY_CHARS = 256
 # Job ids one request may name (CancelJobs, WatchJobs).
 MAX_JOB_IDS = 1000
+# Events in one response of a batched watch (a backlog page holds as many).
+WATCH_BATCH = 1000
 DEFAULT_USER = "default"
 
 
@@ -353,13 +355,17 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                 )
                 for event in backlog:
                     sent.add(event.event_id)
-                    yield pb.WatchJobsResponse(event=event)
                     last = event.event_id
+                if request.batched and backlog:
+                    yield pb.WatchJobsResponse(events=backlog)
+                elif backlog:
+                    for event in backlog:
+                        yield pb.WatchJobsResponse(event=event)
                 if len(backlog) < 1000:
                     break
             while True:
                 try:
-                    event = await subscription.next()
+                    ready = await subscription.take(WATCH_BATCH if request.batched else 1)
                 except WatcherOverflow as overflow:
                     resume = max(overflow.resume_after, request.after_event_id)
                     raise ResourceExhausted(
@@ -368,11 +374,18 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                         reason="WATCHER_OVERFLOW",
                         resume_after_event_id=str(resume),
                     ) from None
-                if event.event_id <= request.after_event_id or not sent.add(event.event_id):
-                    continue
-                if owned is not None and not await owned.owns(event.job_id):
-                    continue
-                yield pb.WatchJobsResponse(event=event)
+                fresh = []
+                for event in ready:
+                    if event.event_id <= request.after_event_id or not sent.add(event.event_id):
+                        continue
+                    if owned is not None and not await owned.owns(event.job_id):
+                        continue
+                    fresh.append(event)
+                if request.batched and fresh:
+                    yield pb.WatchJobsResponse(events=fresh)
+                else:
+                    for event in fresh:
+                        yield pb.WatchJobsResponse(event=event)
         finally:
             subscription.close()
 

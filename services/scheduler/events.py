@@ -71,6 +71,18 @@ class Subscription:
             await self._ready.wait()
         return self._queue.popleft()
 
+    async def take(self, limit: int) -> list[job_pb2.JobEvent]:
+        """The next event and every other one queued behind it, at most `limit`, in order.
+
+        Raises:
+            WatcherOverflow: as `next`.
+        """
+        events = [await self.next()]
+        queue = self._queue
+        while queue and len(events) < limit:
+            events.append(queue.popleft())
+        return events
+
     def close(self) -> None:
         self._bus.unsubscribe(self)
 

@@ -328,7 +328,13 @@ class WatchJobsRequest(_message.Message):
 
     JOB_IDS_FIELD_NUMBER: _builtins.int
     AFTER_EVENT_ID_FIELD_NUMBER: _builtins.int
+    BATCHED_FIELD_NUMBER: _builtins.int
     after_event_id: _builtins.int
+    batched: _builtins.bool
+    """Every event ready at once in one response (`events`, at most 1,000, in order),
+    rather than one event per response (`event`): a watcher of many jobs costs both
+    sides far less when many change together.
+    """
     @_builtins.property
     def job_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
@@ -336,10 +342,11 @@ class WatchJobsRequest(_message.Message):
         *,
         job_ids: _abc.Iterable[_builtins.int] | None = ...,
         after_event_id: _builtins.int = ...,
+        batched: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_event_id", b"after_event_id", "job_ids", b"job_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_event_id", b"after_event_id", "batched", b"batched", "job_ids", b"job_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -350,16 +357,24 @@ class WatchJobsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EVENT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def event(self) -> _job_pb2.JobEvent: ...
+    def event(self) -> _job_pb2.JobEvent:
+        """The event, unless the watch is `batched`."""
+
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_job_pb2.JobEvent]:
+        """The events, in order, when the watch is `batched`."""
+
     def __init__(
         self,
         *,
         event: _job_pb2.JobEvent | None = ...,
+        events: _abc.Iterable[_job_pb2.JobEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "events", b"events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
