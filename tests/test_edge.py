@@ -32,7 +32,7 @@ from managedjobs.v1 import (
 from services.common.access import current_principal
 from services.common.bounds import quote
 from services.common.channels import ClientSecurity, open_channel
-from services.common.edge import ServerSecurity
+from services.common.edge import ServerSecurity, job_ids
 from services.common.errors import InvalidArgument, Unavailable, rpc_errors
 from services.common.server import Server
 from services.common.tls import ClientTls
@@ -376,6 +376,14 @@ async def test_mutating_calls_leave_an_audit_line(
         ("controller-1", "controller", "/managedjobs.v1.LogService/FetchTaskLogs", [7], "OK"),
         ("alice", "user", "/managedjobs.v1.LogService/FetchTaskLogs", [8], "PERMISSION_DENIED"),
     ]
+
+
+def test_the_audit_names_the_jobs_of_a_batchs_items() -> None:
+    fetches = [log_service_pb2.FetchTaskLogsRequest(job_id=n) for n in (5, 3, 5)]
+    batch = log_service_pb2.BatchFetchTaskLogsRequest(fetches=fetches)
+    assert job_ids(batch, log_service_pb2.BatchFetchTaskLogsResponse()) == [3, 5]
+    lines = [log_service_pb2.ControllerLogLine(job_id=9, line="x")]
+    assert job_ids(log_service_pb2.AppendControllerLogsRequest(lines=lines)) == [9]
 
 
 async def test_without_auth_every_caller_is_an_anonymous_admin(ids: Identities) -> None:

@@ -17,7 +17,8 @@ method outside health and reflection it:
    `current_principal()` of the handler and of every task it starts;
 5. when the call ends, writes one audit line (JSON log, logger `audit`) for each
    mutating method: user, role, method, job ids from the request and response
-   fields job_id / job_ids / cancelled_job_ids, the status code and duration.
+   fields job_id / job_ids / cancelled_job_ids (and those of the items a batch
+   lists), the status code and duration.
 
 Authentication comes before decoding, so a caller without a token learns nothing
 from how its bytes parse. `_finished` sees every call's method, outcome and
@@ -147,11 +148,13 @@ def _undecodable() -> InvalidArgument:
     return InvalidArgument("request: cannot be decoded", reason="REQUEST_UNDECODABLE")
 
 
-def job_ids(*messages: Any) -> list[int]:
-    """The job ids named by the messages' job_id / job_ids / cancelled_job_ids fields."""
+def job_ids(*messages: Any, items: bool = True) -> list[int]:
+    """The job ids named by the messages' job_id / job_ids / cancelled_job_ids fields, and
+    by those of the messages they list (a batch's items, e.g. BatchFetchTaskLogs')."""
     found: list[int] = []
     for message in messages:
-        fields = getattr(getattr(message, "DESCRIPTOR", None), "fields_by_name", {})
+        descriptor = getattr(message, "DESCRIPTOR", None)
+        fields = getattr(descriptor, "fields_by_name", {})
         for name in _JOB_FIELDS:
             if name not in fields:
                 continue
@@ -160,6 +163,13 @@ def job_ids(*messages: Any) -> list[int]:
                 found.append(value)
             else:
                 found.extend(value)
+        if not items:
+            continue
+        for field in getattr(descriptor, "fields", ()):
+            if field.message_type is not None and field.is_repeated:
+                for item in getattr(message, field.name):
+                    if hasattr(item, "DESCRIPTOR"):  # a map yields its keys
+                        found.extend(job_ids(item, items=False))
     return sorted({i for i in found if i})
 
 
