@@ -184,6 +184,14 @@ async def test_a_batch_of_fetches_stores_the_held_jobs_and_answers_each_other_on
         assert "fetches: 1 to 500" in (error.details() or "")
 
 
+async def test_a_log_the_disk_cannot_take_is_unavailable_not_internal(system: System) -> None:
+    (system.data_dir / "logs").mkdir(parents=True, exist_ok=True)
+    job_folder(system, 1).write_text("a file where job 1's folder should be")
+    error = await refused(fetch(system, 1, epoch=3))
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "cannot store the logs of cluster mj-1-0" in (error.details() or "")
+
+
 async def test_holds_are_cached_briefly_and_a_move_is_seen(system: System, clock: Clock) -> None:
     jobs = system.scheduler
     await append(system, *(Line(job_id=1, epoch=3, line=f"{i}") for i in range(50)))

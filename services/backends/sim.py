@@ -328,7 +328,7 @@ class SimBackend(Backend):
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         """Terminates the cluster; a live task gets SIGTERM and `grace` simulated seconds.
 
-        Returns (True) once the cloud has the cluster gone: its Terminate answers only then.
+        Returns (True) once the cloud has the cluster gone: it answers a teardown only then.
         """
         await self._terminate(handle, epoch, grace, keep_cluster=False)
         return True

@@ -227,9 +227,16 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
                 f"cannot read the logs of cluster {handle.cluster_name}: {exc}",
                 cluster_name=handle.cluster_name,
             ) from exc
-        stored = await self._store.save_task_attempt(
-            request.job_id, request.task_id, request.attempt, handle.cluster_name, data
-        )
+        try:
+            stored = await self._store.save_task_attempt(
+                request.job_id, request.task_id, request.attempt, handle.cluster_name, data
+            )
+        except OSError as exc:
+            # The disk, not the request: worth another try later.
+            log.error("cannot store task logs", extra={"job_id": request.job_id, "error": str(exc)})
+            raise Unavailable(
+                f"cannot store the logs of cluster {handle.cluster_name}: {exc.strerror or exc}"
+            ) from exc
         log.info(
             "task logs stored",
             extra={

@@ -134,8 +134,8 @@ class LogStore:
             weakref.WeakValueDictionary()
         )
         self._appenders: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
-        # Task logs saved at once are written in one trip to a worker thread (a few at a
-        # time): a thread hop per log costs more than the write.
+        # Task logs saved at once are written in trips of up to 64 to worker threads (four
+        # at a time): a thread hop per log costs more than the write.
         self._writes: Coalescer[None, _Write, None] = Coalescer(self._write, max_batch=64)
 
     def task_path(self, job_id: int, task_id: int) -> Path:
@@ -230,12 +230,12 @@ class LogStore:
 
     def _write_all(self, writes: list[_Write]) -> list[BaseException | None]:
         batches: list[list[_File]] = []
-        failed: dict[int, OSError] = {}
+        failed: dict[int, Exception] = {}
         for number, (job_id, task_id, section, data) in enumerate(writes):
             path = self.task_path(job_id, task_id)
             try:
                 batches.append(_files(self.task_log(job_id, task_id), path, section, data))
-            except OSError as error:
+            except Exception as error:  # a file or an index that cannot be read: this one
                 failed[number] = error
                 batches.append([])
         written = _write_files(batches)
