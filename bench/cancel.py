@@ -6,7 +6,8 @@ another N all at once (one CancelJobs for the user's jobs). Reports the
 CancelJobs round trip and cancel -> CANCELLED (the job's CANCELLED event) p50/p99,
 how long cancelling all at once took to the last CANCELLED, and the CPU each
 process spent per job meanwhile (`cpu_ms_per_cancel`; "bench" is this process,
-watching every event).
+watching every event with a batched WatchJobs, as the CLI does: a CANCELLED event
+counts from when its response arrives).
 Target (SPEC §15): cancel takes effect p99 <= 1 s.
 
 The jobs set `grace_period: 0.01`: a sim task never exits on SIGTERM by itself, so
