@@ -129,6 +129,14 @@ def _error(code: grpc.StatusCode, details: str, reason: str) -> BackendError:
     return BackendError(f"sim cloud error: {code.name}: {details}")
 
 
+def _batchable(handle: ClusterHandle) -> str:
+    """The cluster's name, for a batched call; a name the cloud would refuse is refused
+    here, alone, rather than failing the batch it would have gone in."""
+    if not NAME_RE.fullmatch(handle.cluster_name):
+        raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
+    return handle.cluster_name
+
+
 def launch_request(
     request: TaskRequest, candidate_regions: Sequence[str], blocked_regions: Sequence[str]
 ) -> pb.LaunchRequest:
@@ -343,11 +351,8 @@ class SimBackend(Backend):
     ) -> None:
         if not (math.isfinite(grace) and grace >= 0):
             raise PrecheckError(f"grace must be a finite number >= 0, got {grace}")
-        if not NAME_RE.fullmatch(handle.cluster_name):
-            # Refused alone, rather than failing the batch it would have gone in.
-            raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
         request = pb.TerminateRequest(
-            cluster_name=handle.cluster_name,
+            cluster_name=_batchable(handle),
             epoch=epoch,
             grace_seconds=grace,
             keep_cluster=keep_cluster,
@@ -399,9 +404,7 @@ class SimBackend(Backend):
 
     async def read_logs(self, handle: ClusterHandle) -> bytes:
         """The log as it is now; reads asked for at once share one GetLogs call."""
-        if not NAME_RE.fullmatch(handle.cluster_name):
-            raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
-        data = await self.log_reads.call(None, handle.cluster_name)
+        data = await self.log_reads.call(None, _batchable(handle))
         if data is None:  # too big to share an answer: read alone
             data = b"".join([chunk async for chunk in self._logs(handle, follow=False)])
         return data

@@ -45,7 +45,7 @@ class Coalescer(Generic[K, T, R]):
         self._in_flight = in_flight
         self._pending: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
         self._senders: dict[K, set[asyncio.Task[None]]] = {}
-        # Batches sent so far, for tests and metrics.
+        # Batches sent so far.
         self.batches = 0
 
     async def call(self, key: K, item: T) -> R:

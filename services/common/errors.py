@@ -21,7 +21,7 @@ import contextlib
 import functools
 import inspect
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -169,6 +169,7 @@ def _gone(context: Any) -> Iterator[None]:
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 # Services register how their infrastructure errors read to callers (e.g. the
 # scheduler: "database unreachable" is UNAVAILABLE, for the client to retry).
@@ -231,6 +232,16 @@ def rpc_errors(handler: F) -> F:
             await unexpected(context, handler.__qualname__, exc)
 
     return cast(F, unary)
+
+
+async def each_alone(calls: Iterable[Awaitable[T]]) -> list[T | ApiError]:
+    """Runs a batch's items at once, each answered as if it had come alone: an item's
+    ApiError is its answer; any other exception (a bug) fails the whole call."""
+    outcomes = await asyncio.gather(*calls, return_exceptions=True)
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException) and not isinstance(outcome, ApiError):
+            raise outcome
+    return cast(list[T | ApiError], outcomes)
 
 
 def error_info(exc: grpc.aio.AioRpcError) -> error_details_pb2.ErrorInfo:

@@ -55,6 +55,7 @@ from services.common.errors import (
     NotFound,
     Unavailable,
     bound,
+    each_alone,
     rpc_errors,
 )
 from services.logs.controller_logs import follow_controller_log, read_controller_log
@@ -184,18 +185,13 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
             raise InvalidArgument(
                 f"fetches: 1 to {MAX_FETCH_BATCH} fetches, got {len(fetches)}", field="fetches"
             )
-        outcomes = await asyncio.gather(
-            *(self._fetch(fetch) for fetch in fetches), return_exceptions=True
-        )
         reply = log_service_pb2.BatchFetchTaskLogsResponse()
-        for outcome in outcomes:
+        for outcome in await each_alone(self._fetch(fetch) for fetch in fetches):
             result = reply.results.add()
             if isinstance(outcome, ApiError):
                 result.code = outcome.code.name
                 result.message = bound(outcome.message, MAX_MESSAGE_BYTES)
                 result.reason = outcome.reason
-            elif isinstance(outcome, BaseException):
-                raise outcome
             else:
                 result.bytes_stored = outcome
         return reply

@@ -229,17 +229,37 @@ class LogStore:
         return await asyncio.to_thread(self._write_all, writes)
 
     def _write_all(self, writes: list[_Write]) -> list[BaseException | None]:
-        batches: list[list[_File]] = []
-        failed: dict[int, Exception] = {}
+        """Writes each task log atomically (log before index), every file durable before
+        any replaces its old copy; a failure fails only its own log.
+
+        All files are written first and synced after: one journal commit then serves many
+        fsyncs. Temporary names are fixed (`<name>.tmp`): a task's log is written under
+        its lock, one writer at a time.
+        """
+        outcomes: list[BaseException | None] = [None] * len(writes)
+        staged: list[tuple[int, list[_File]]] = []
         for number, (job_id, task_id, section, data) in enumerate(writes):
-            path = self.task_path(job_id, task_id)
+            files: list[_File] = []
             try:
-                batches.append(_files(self.task_log(job_id, task_id), path, section, data))
-            except Exception as error:  # a file or an index that cannot be read: this one
-                failed[number] = error
-                batches.append([])
-        written = _write_files(batches)
-        return [failed.get(number) or outcome for number, outcome in enumerate(written)]
+                path = self.task_path(job_id, task_id)
+                files = _files(self.task_log(job_id, task_id), path, section, data)
+                for file_path, body in files:
+                    file_path.parent.mkdir(parents=True, exist_ok=True)
+                    _temp(file_path).write_bytes(body)
+                staged.append((number, files))
+            except Exception as error:  # a file or an index that cannot be read or written
+                outcomes[number] = error
+                _discard(files)
+        for number, files in staged:
+            try:
+                for path, _ in files:
+                    _fsync(_temp(path))
+                for path, _ in files:
+                    os.replace(_temp(path), path)
+            except OSError as error:
+                outcomes[number] = error
+                _discard(files)
+        return outcomes
 
     def read_range(self, path: Path, start: int, end: int | None = None) -> Iterator[bytes]:
         """Bytes [start, end) of a file in chunks; stops early at the end of the file."""
@@ -337,37 +357,6 @@ def _files(current: TaskLog | None, path: Path, new: Section, data: bytes) -> li
         return [(path, bytes(content))]
     index_json = json.dumps({"sections": [dataclasses.asdict(s) for s in sections]})
     return [(path, bytes(content)), (_index_path(path), index_json.encode())]
-
-
-def _write_files(batches: list[list[_File]]) -> list[OSError | None]:
-    """Writes each batch's files atomically (log before index), every file durable before
-    any replaces its old copy; a failure fails only its own batch.
-
-    All files are written first and synced after: one journal commit then serves many
-    fsyncs. Temporary names are fixed (`<name>.tmp`): the store writes a task's log
-    under its lock, one writer at a time.
-    """
-    outcomes: list[OSError | None] = [None] * len(batches)
-    for number, files in enumerate(batches):
-        try:
-            for path, data in files:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                _temp(path).write_bytes(data)
-        except OSError as error:
-            outcomes[number] = error
-    for number, files in enumerate(batches):
-        if outcomes[number] is not None:
-            _discard(files)
-            continue
-        try:
-            for path, _ in files:
-                _fsync(_temp(path))
-            for path, _ in files:
-                os.replace(_temp(path), path)
-        except OSError as error:
-            outcomes[number] = error
-            _discard(files)
-    return outcomes
 
 
 def _temp(path: Path) -> Path:

@@ -373,8 +373,7 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
     if new in TERMINAL:
         task.end_time = convert.from_timestamp(report.end_time) or task.end_time or txn.now
     job.recovery_count += task.recovery_count - old_recoveries
-    if report.attempt > 0:
-        await _record_attempt(txn, task, report, new)
+    await _record_attempt(txn, task, report, new)
     await _follow_current_task(txn, job, task)
     if new == S.RUNNING and job.start_time is None:
         job.start_time = task.start_time

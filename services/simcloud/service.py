@@ -14,7 +14,6 @@ line is due.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -29,6 +28,7 @@ from services.common.errors import (
     ApiError,
     InvalidArgument,
     bound,
+    each_alone,
     rpc_errors,
 )
 from services.simcloud import bounds, convert
@@ -109,9 +109,8 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
             )
         graces = [_terminate_grace(call, f"calls[{i}].") for i, call in enumerate(calls)]
         self.cloud.check_reachable()
-        outcomes = await asyncio.gather(
-            *(self._terminate(call, grace) for call, grace in zip(calls, graces, strict=True)),
-            return_exceptions=True,
+        outcomes = await each_alone(
+            self._terminate(call, grace) for call, grace in zip(calls, graces, strict=True)
         )
         reply = pb.TerminateClustersResponse()
         for outcome in outcomes:
@@ -124,8 +123,6 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
                         reason=outcome.reason,
                     )
                 )
-            elif isinstance(outcome, BaseException):
-                raise outcome
             else:
                 result.response.CopyFrom(outcome)
         return reply
