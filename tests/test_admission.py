@@ -127,3 +127,27 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     assert granted[-1] == better_id
     assert (await store.get_job(older)).schedule_state == St.WAITING  # type: ignore[union-attr]
     await db.close()
+
+
+async def test_a_pass_over_two_replicas_logs_its_admissions_in_queue_order(
+    store: Store,
+) -> None:
+    """One pass spreads jobs over two replicas (a, b, a, b, ...) and moves each replica's
+    share in one statement; the event log still lists the admissions in the order the
+    queue ranked them, so a reader replaying it never sees a job admitted past one
+    still waiting ahead of it."""
+    counters = Counters(store)
+    store.on_moves = counters.apply
+    outbox = Outbox()
+    admission = Admission(store, counters, outbox, Limits())
+    for cid in ("a", "b"):
+        outbox.attach(cid)
+        capacity = pb.Capacity(max_launches=10, max_jobs=10)
+        admission.connected(pb.ControllerHello(controller_id=cid, capacity=capacity))
+    ids = [(await store.submit(job()))[0] for _ in range(5)]
+    after = await store.last_event_id()
+    await admission.schedule()
+    admitted = [e for e in await store.events_after(after) if e.schedule_state == St.LAUNCHING]
+    assert [e.job_id for e in admitted] == ids
+    # Spread over both replicas, so the order above is not one replica's statement.
+    assert {e.message.removeprefix("admitted on ") for e in admitted} == {"a", "b"}

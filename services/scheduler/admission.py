@@ -232,12 +232,15 @@ class Admission:
             async with self.store.transaction() as txn:
                 rows = await self.store.queued(St.WAITING, None, min(room, BATCH), txn)
                 plan, placed = self._plan(rows, need_launch_room=True)
+                first_event = len(txn.events)
                 for (cid, _), ids in plan.items():
                     moves, jobs = await self.store.move_many(
                         ids, St.WAITING, St.LAUNCHING, assign_to=cid,
                         message=f"{ADMITTED_ON}{cid}", fetch=True, txn=txn,
                     )  # fmt: skip
                     moved.append((cid, moves, jobs))
+                # One statement per replica; the event log lists admissions in queue order.
+                txn.order_events(first_event, [row.id for row in rows])
             # Sent once committed.
             for cid, moves, jobs in moved:
                 await self._assign(cid, moves, jobs, granted=True)

@@ -161,6 +161,15 @@ class Txn:
             }
         )
 
+    def order_events(self, start: int, job_ids: Sequence[int]) -> None:
+        """Puts the events written since `start` in the order of their jobs in `job_ids`
+        (a job's own events keep theirs): moves grouped into one statement per replica
+        are still logged in the order they were decided."""
+        rank = {job_id: index for index, job_id in enumerate(job_ids)}
+        self.events[start:] = sorted(
+            self.events[start:], key=lambda e: rank.get(e["job_id"], len(rank))
+        )
+
 
 def set_task_status(task: TaskRow, new: JobStatus) -> bool:
     """The one way a single task's status changes; False for a repeat of the same status.
