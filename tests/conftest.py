@@ -108,6 +108,15 @@ def bus() -> EventBus:
 
 
 @pytest.fixture
+async def sqlite_store(tmp_path: Path) -> AsyncIterator[Store]:
+    """A store on a SQLite file of its own (`writers.db`), for what only SQLite does."""
+    db = Database.open(f"sqlite:///{tmp_path / 'writers.db'}")
+    await db.migrate()
+    yield Store(db, EventBus())
+    await db.close()
+
+
+@pytest.fixture
 def store(database: Database, bus: EventBus) -> Store:
     return Store(database, bus)
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from test_store import accepted, assign, new_job, transition
 from services.common.errors import Unavailable
 from services.common.statuses import JobStatus
 from services.scheduler.db import INLINE_BUSY_MS, Database
-from services.scheduler.events import EventBus
 from services.scheduler.health import unavailable
 from services.scheduler.models import JobRow
 from services.scheduler.reports import INLINE_BATCH
@@ -123,14 +121,6 @@ async def test_a_waiter_cancelled_as_it_is_handed_the_turn_passes_it_on() -> Non
 def test_only_sqlite_has_a_gate(tmp_path: object) -> None:
     assert Database.open(f"sqlite:///{tmp_path}/x.db").gate is not None
     assert Database.open("postgresql://postgres@127.0.0.1:5432/test").gate is None
-
-
-@pytest.fixture
-async def sqlite_store(tmp_path: Path) -> AsyncIterator[Store]:
-    db = Database.open(f"sqlite:///{tmp_path / 'writers.db'}")
-    await db.migrate()
-    yield Store(db, EventBus())
-    await db.close()
 
 
 async def traced(store: Store) -> dict[str, set[int]]:

@@ -3,8 +3,9 @@
 SQLite has one writer: write transactions take turns (`write_gate.py`, an
 asyncio wait) instead of contending for SQLite's write lock and sleeping in its
 busy handler; each starts with BEGIN IMMEDIATE. Background writes (admission,
-reports) run on aiosqlite's worker thread, so the event loop gathers the next
-batch of reports while one is written. A client's write (a submission, a cancel)
+reports) run on aiosqlite's worker thread, one round trip per statement
+(`sqlite_thread`), so the event loop gathers the next batch of reports while one
+is written. A client's write (a submission, a cancel)
 runs on the event loop's own thread (`sqlite_inline`), start to commit without a
 thread hand-off per statement and without other work interleaved: its turn is
 short, and so is the wait of whatever comes next. So does a batch of reports of
@@ -37,6 +38,7 @@ from sqlalchemy.ext.asyncio import (
 )
 
 from services.scheduler.sqlite_inline import inline_creator
+from services.scheduler.sqlite_thread import one_trip_creator
 from services.scheduler.write_gate import WriteGate
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -85,10 +87,8 @@ def _sqlite_engine(url: str, begin: str, inline: bool = False, **pool: Any) -> A
     # No reset-on-return ROLLBACK: every session ends its own transaction, and with
     # aiosqlite each statement is a thread hop worth saving.
     busy_ms = INLINE_BUSY_MS if inline else 10_000
-    if inline:
-        pool["async_creator"] = inline_creator(make_url(url).database or "", busy_ms / 1000)
-    else:
-        pool["connect_args"] = {"timeout": 10}
+    creator = inline_creator if inline else one_trip_creator
+    pool["async_creator"] = creator(make_url(url).database or "", busy_ms / 1000)
     engine = create_async_engine(url, pool_reset_on_return=None, **pool)
     event.listen(engine.sync_engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=busy_ms))
 

@@ -1,0 +1,101 @@
+"""Background writes on SQLite: one round trip to aiosqlite's worker thread per
+statement, with the answers SQLite gave (rows, RETURNING, row counts, errors)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import aiosqlite
+import pytest
+from sqlalchemy import func, select, text, update
+from sqlalchemy.exc import IntegrityError
+from test_store import new_job
+
+from services.common.statuses import ScheduleState
+from services.scheduler.models import JobRow
+from services.scheduler.store import Store
+
+St = ScheduleState
+
+
+@contextmanager
+def trips_and_statements() -> Iterator[tuple[list[str], list[str]]]:
+    """Round trips to aiosqlite's worker threads, and the statements SQLite ran on
+    their connections, while the block runs."""
+    trips: list[str] = []
+    statements: list[str] = []
+    traced: list[aiosqlite.Connection] = []
+    original = aiosqlite.Connection._execute
+
+    async def counted(self: aiosqlite.Connection, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        trips.append(getattr(fn, "__name__", repr(fn)))
+        if self not in traced:  # the trace sees each statement, however many a trip runs
+            self._conn.set_trace_callback(statements.append)
+            traced.append(self)
+        return await original(self, fn, *args, **kwargs)
+
+    aiosqlite.Connection._execute = counted  # type: ignore[method-assign]
+    try:
+        yield trips, statements
+    finally:
+        aiosqlite.Connection._execute = original  # type: ignore[method-assign]
+        for connection in traced:
+            connection._conn.set_trace_callback(None)
+
+
+async def test_a_background_write_makes_one_trip_per_statement(sqlite_store: Store) -> None:
+    """An admission-like transaction: BEGIN, a read, an UPDATE ... RETURNING, a plain
+    UPDATE and COMMIT are five statements and five trips, and each answers as SQLite
+    did (aiosqlite's own cursor took three to four trips per statement)."""
+    ids = [job_id for job_id, _ in await sqlite_store.submit_many([new_job() for _ in range(3)])]
+    with trips_and_statements() as (trips, statements):
+        async with sqlite_store.db.write() as session:
+            queued = (
+                await session.execute(
+                    select(JobRow.id).where(JobRow.schedule_state == St.WAITING).order_by(JobRow.id)
+                )
+            ).scalars()
+            assert list(queued) == ids
+            moved = (
+                await session.execute(
+                    update(JobRow)
+                    .where(JobRow.id.in_(ids[:2]))
+                    .values(epoch=JobRow.epoch + 1)
+                    .returning(JobRow.id, JobRow.epoch),
+                    execution_options={"synchronize_session": False},
+                )
+            ).all()
+            assert sorted(moved) == [(ids[0], 1), (ids[1], 1)]
+            touched = await session.execute(
+                update(JobRow).where(JobRow.id >= ids[1]).values(wait_reason="x"),
+                execution_options={"synchronize_session": False},
+            )
+            assert touched.rowcount == 2  # type: ignore[attr-defined]
+    ran = [s.split()[0] for s in statements]
+    assert ran == ["BEGIN", "SELECT", "UPDATE", "UPDATE", "COMMIT"]
+    assert len(trips) == len(statements)
+    async with sqlite_store.db.read() as session:
+        epochs = await session.execute(select(JobRow.id, JobRow.epoch).order_by(JobRow.id))
+        assert list(epochs) == [(ids[0], 1), (ids[1], 1), (ids[2], 0)]
+
+
+async def test_a_failed_statement_rolls_its_transaction_back_and_the_writer_goes_on(
+    sqlite_store: Store,
+) -> None:
+    """SQLite's error reaches the writer as SQLAlchemy's (an integrity error here), the
+    transaction's earlier statements are undone, and the next background write works."""
+    [(job_id, _)] = await sqlite_store.submit_many([new_job()])
+    with pytest.raises(IntegrityError):
+        async with sqlite_store.db.write() as session:
+            await session.execute(
+                update(JobRow).where(JobRow.id == job_id).values(wait_reason="half done")
+            )
+            await session.execute(text("INSERT INTO jobs (id) VALUES (:id)"), {"id": job_id})
+    async with sqlite_store.db.write() as session:
+        await session.execute(update(JobRow).where(JobRow.id == job_id).values(epoch=7))
+    async with sqlite_store.db.read() as session:
+        row = (await session.execute(select(JobRow.wait_reason, JobRow.epoch))).one()
+        assert tuple(row) == ("", 7)
+        assert await session.scalar(select(func.count()).select_from(JobRow)) == 1
