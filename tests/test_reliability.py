@@ -311,7 +311,14 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
         progress = threading.Condition()
         restarted_at: list[int] = []
 
+        thresholds = [total * k // (restarts + 1) for k in range(1, restarts + 1)]
+
         def submit(index: int) -> None:
+            # Submission `index` goes once every restart due by then has begun, so the
+            # submissions never outrun the restarts however fast they are answered.
+            due = sum(threshold <= index for threshold in thresholds)
+            with progress:
+                progress.wait_for(lambda: len(restarted_at) >= due)
             spec = job_spec(f"sub-{index}", [1e6], spot=False)
             job_id = s.client.submit(spec, f"key-{index}")
             with progress:
@@ -319,11 +326,11 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
                 progress.notify_all()
 
         def restart_scheduler() -> None:
-            for k in range(1, restarts + 1):
-                threshold = total * k // (restarts + 1)
+            for k, threshold in enumerate(thresholds, start=1):
                 with progress:
                     progress.wait_for(lambda: len(answers) >= threshold)  # noqa: B023
                     restarted_at.append(len(answers))
+                    progress.notify_all()
                 # Odd restarts crash (SIGKILL), even ones stop cleanly (SIGTERM).
                 s.stack.scheduler.restart(timeout=60, kill=k % 2 == 1)
 
@@ -332,7 +339,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             list(pool.map(submit, range(total)))
         restarter.join(120)
-        assert len(restarted_at) == restarts and max(restarted_at) < total, restarted_at
+        assert restarted_at == thresholds, restarted_at
 
         # None lost, none duplicated.
         assert len(answers) == total
