@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.counters import Counters, live_counts
-from services.scheduler.db import Database
-from services.scheduler.events import EventBus
 from services.scheduler.outbox import Outbox, Stream
 from services.scheduler.store import NewJob, Store
 
@@ -92,15 +89,14 @@ async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slo
 
 
 async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_then(
-    tmp_path: Path,
+    store: Store,
 ) -> None:
-    """A pass asks for SQLite's writer while another write holds it, and a better job is
-    submitted meanwhile (a client's submission goes first): the pass reads the queue in
-    its own transaction, so it admits the better job, not the one it would have picked
-    from a read made before it waited. (PostgreSQL writes concurrently: no such wait.)"""
-    db = Database.open(f"sqlite:///{tmp_path / 'scheduler.db'}")
-    await db.migrate()
-    store = Store(db, EventBus())
+    """A pass asks for the writer while another write holds it (SQLite's one writer, and
+    PostgreSQL's by default), and a better job is submitted meanwhile (a client's
+    submission goes first): the pass reads the queue in its own transaction, so it
+    admits the better job, not the one it would have picked from a read made before
+    it waited."""
+    assert store.db.gate is not None and store.db.gate.writers == 1
     _, stream, admission = one_replica(store, max_launches=1)
     first = await store.submit(job())
     await admission.schedule()  # `first` takes the only launch slot
@@ -126,7 +122,6 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     granted = [m.assignment.job.job_id for m in sent if m and m.HasField("assignment")]
     assert granted[-1] == better_id
     assert (await store.get_job(older)).schedule_state == St.WAITING  # type: ignore[union-attr]
-    await db.close()
 
 
 async def test_a_pass_over_two_replicas_logs_its_admissions_in_queue_order(

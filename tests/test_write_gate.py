@@ -6,6 +6,7 @@ the inline one never holds the loop long for a lock another process holds."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import sqlite3
 import threading
 from pathlib import Path
@@ -15,10 +16,12 @@ from sqlalchemy import func, select, text
 from sqlalchemy.exc import OperationalError
 from test_store import accepted, assign, new_job, transition
 
+from services.common import settings
 from services.common.errors import Unavailable
 from services.common.statuses import JobStatus
 from services.scheduler.db import INLINE_BUSY_MS, Database
 from services.scheduler.health import unavailable
+from services.scheduler.main import SETTINGS
 from services.scheduler.models import JobRow
 from services.scheduler.reports import INLINE_BATCH
 from services.scheduler.store import Store
@@ -118,9 +121,41 @@ async def test_a_waiter_cancelled_as_it_is_handed_the_turn_passes_it_on() -> Non
     assert order == ["next"] and tasks["handed"].cancelled() and gate.waiting == 0
 
 
-def test_only_sqlite_has_a_gate(tmp_path: object) -> None:
-    assert Database.open(f"sqlite:///{tmp_path}/x.db").gate is not None
-    assert Database.open("postgresql://postgres@127.0.0.1:5432/test").gate is None
+def test_sqlite_has_one_writer_and_postgresql_as_many_as_asked(tmp_path: object) -> None:
+    """One by default on both; PostgreSQL may have more, or no limit (no gate)."""
+    sqlite = Database.open(f"sqlite:///{tmp_path}/x.db", writers=0)
+    assert sqlite.gate is not None and sqlite.gate.writers == 1
+    postgres = "postgresql://postgres@127.0.0.1:5432/test"
+    for writers in (1, 3):
+        gate = Database.open(postgres, writers=writers).gate
+        assert gate is not None and gate.writers == writers
+    assert Database.open(postgres).gate is not None
+    assert Database.open(postgres, writers=0).gate is None
+
+
+async def test_a_gate_of_two_writers_lets_two_in_and_queues_the_third() -> None:
+    gate = WriteGate(writers=2)
+    inside: list[str] = []
+    release = asyncio.Event()
+
+    async def writer(name: str) -> None:
+        async with gate.turn(False):
+            inside.append(name)
+            await release.wait()
+
+    tasks = [asyncio.create_task(writer(name)) for name in "abc"]
+    await asyncio.sleep(0)
+    assert inside == ["a", "b"] and gate.waiting == 1
+    release.set()
+    await asyncio.gather(*tasks)
+    assert inside == ["a", "b", "c"] and gate.waiting == 0
+    # Every turn was given back: two go in at once again.
+    release.clear()
+    tasks = [asyncio.create_task(writer(name)) for name in "de"]
+    await asyncio.sleep(0)
+    assert inside[3:] == ["d", "e"] and gate.waiting == 0
+    release.set()
+    await asyncio.gather(*tasks)
 
 
 async def traced(store: Store) -> dict[str, set[int]]:
@@ -192,3 +227,15 @@ async def test_a_clients_write_gives_up_soon_on_a_lock_held_by_another_process(
         assert await session.scalar(select(func.count()).select_from(JobRow)) == 0
     # The lock released, the next submission goes through.
     assert len(await sqlite_store.submit_many([new_job()])) == 1
+
+
+def test_db_writers_is_a_flag_and_a_variable_and_refuses_a_negative_count(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    parse = functools.partial(settings.parse, "mj-scheduler", "", SETTINGS)
+    assert parse([], {}).db_writers == 1
+    assert parse([], {"MJ_DB_WRITERS": "0"}).db_writers == 0
+    assert parse(["--db-writers", "4"], {"MJ_DB_WRITERS": "0"}).db_writers == 4
+    with pytest.raises(SystemExit):
+        parse(["--db-writers", "-1"], {})
+    assert "--db-writers: not a whole number: '-1'" in capsys.readouterr().err

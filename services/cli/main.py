@@ -56,6 +56,7 @@ from services.common.settings import (
     TLS_CLIENT_KEY,
     TOKEN_FILE,
     Setting,
+    count,
 )
 from services.common.tls import ClientTls, TlsConfigError
 
@@ -70,12 +71,6 @@ def _seconds(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"not a positive number of seconds: {text!r}")
     return value
-
-
-def _count(text: str) -> int:
-    if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
-    return int(text)
 
 
 def _positive_int(text: str) -> int:
@@ -261,7 +256,7 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
 
     logs = command("logs", commands.logs, "stream a task's logs")
     logs.add_argument("job_id", type=_positive_int, metavar="ID")
-    logs.add_argument("--task", type=_count, metavar="N", help="task index (default: current)")
+    logs.add_argument("--task", type=count, metavar="N", help="task index (default: current)")
     logs.add_argument(
         "--attempt",
         type=_positive_int,
@@ -275,11 +270,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         help="keep streaming until the job ends (default)",
     )
     logs.add_argument("--controller", action="store_true", help="the controller's lifecycle log")
-    logs.add_argument("--tail", type=_count, default=0, metavar="N", help="only the last N lines")
+    logs.add_argument("--tail", type=count, default=0, metavar="N", help="only the last N lines")
 
     watch = command("watch", commands.watch, "print job events as they happen")
     watch.add_argument("job_ids", type=_positive_int, nargs="*", metavar="ID", help="default: all")
-    watch.add_argument("--after", type=_count, default=0, metavar="EVENT_ID")
+    watch.add_argument("--after", type=count, default=0, metavar="EVENT_ID")
 
     ops = subcommands.add_parser("ops", help="operator views", description="operator views")
     command(

@@ -48,6 +48,13 @@ def boolean(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"not a boolean: {text!r}")
 
 
+def count(text: str) -> int:
+    """Parses a whole number (0 or more)."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}")
+    return int(text)
+
+
 # The service whose settings were parsed last (`parse`): its error lines name it.
 _program = ""
 

@@ -55,6 +55,14 @@ SETTINGS = (
         "SQLAlchemy URL (postgresql://... for several hosts); empty means a SQLite file "
         "in the data dir",
     ),
+    Setting(
+        "db_writers",
+        "MJ_DB_WRITERS",
+        1,
+        "write transactions at once on PostgreSQL (0: no limit); one writer gathers "
+        "concurrent work into bigger batches. SQLite always has one",
+        settings.count,
+    ),
     Setting("lease_ttl", "MJ_LEASE_TTL", 10.0, "seconds a replica's lease lasts", float),
     Setting(
         "heartbeat_interval",
@@ -124,8 +132,9 @@ class SchedulerApp:
         db_probe_interval: float = 2.0,
         reconcile_interval: float = 30.0,
         watch_queue_limit: int = QUEUE_LIMIT,
+        db_writers: int = 1,
     ) -> None:
-        self.db = Database.open(database_url)
+        self.db = Database.open(database_url, writers=db_writers)
         self.bus = EventBus(watch_queue_limit)
         self.store = Store(self.db, self.bus)
         self.counters = Counters(self.store)
@@ -246,6 +255,7 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
         db_probe_interval=a.db_probe_interval,
         reconcile_interval=a.reconcile_interval,
         watch_queue_limit=a.watch_queue_limit,
+        db_writers=a.db_writers,
     )
     port = await app.start()
     log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})

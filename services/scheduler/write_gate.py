@@ -1,4 +1,4 @@
-"""SQLite's one writer, handed out in turns that put a waiting client first.
+"""The database's writers (SQLite's one), handed out in turns that put a waiting client first.
 
 SQLite runs one write transaction at a time, so writes queue for it (over two
 connections, `db.py`: never both in a transaction). In arrival order a client's
@@ -10,7 +10,8 @@ background ones, but never to two urgent transactions in a row while background
 work waits: under a stream of submissions the turns alternate, so admission and
 reports are never starved.
 
-PostgreSQL runs writes concurrently and has no gate.
+PostgreSQL could run writes concurrently, but takes the same turns, one writer by
+default (`--db-writers`; `writers` here): batches grow while the writer is busy.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from contextlib import asynccontextmanager
 
 
 class WriteGate:
-    def __init__(self) -> None:
-        self._held = False
+    def __init__(self, writers: int = 1) -> None:
+        self.writers = writers
+        self._holders = 0
         self._last_urgent = False
         self._urgent: collections.deque[asyncio.Future[None]] = collections.deque()
         self._background: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -35,10 +37,10 @@ class WriteGate:
     @asynccontextmanager
     async def turn(self, urgent: bool) -> AsyncIterator[None]:
         """Holds the writer for the block; waits for its turn first."""
-        if self._held:
+        if self._holders >= self.writers:
             await self._wait(self._urgent if urgent else self._background)
         else:
-            self._held = True
+            self._holders += 1
         self._last_urgent = urgent
         try:
             yield
@@ -58,7 +60,7 @@ class WriteGate:
             raise
 
     def _pass_on(self) -> None:
-        """Hands the writer to the next waiter (still held), or frees it."""
+        """Hands a writer's turn to the next waiter (still held), or frees it."""
         first, second = self._urgent, self._background
         if self._last_urgent and second:
             first, second = second, first
@@ -68,4 +70,4 @@ class WriteGate:
                 if not waiter.done():  # (a cancelled one leaves on its own)
                     waiter.set_result(None)
                     return
-        self._held = False
+        self._holders -= 1
