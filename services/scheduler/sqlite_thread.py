@@ -111,6 +111,9 @@ class OneTripConnection(aiosqlite.Connection):
 
     def __init__(self, connector: Callable[[], sqlite3.Connection]) -> None:
         super().__init__(connector, iter_chunk_size=64)
+        # A scheduler that stops without closing its engines (it failed to start) must
+        # not wait at exit for this thread; SQLite's journal covers a write cut short.
+        self._thread.daemon = True
 
     @property
     def sqlite(self) -> sqlite3.Connection:
