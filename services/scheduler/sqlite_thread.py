@@ -29,9 +29,9 @@ class _Ran:
 
     __slots__ = ("description", "lastrowid", "rowcount", "rows")
 
-    def __init__(self, cursor: sqlite3.Cursor, fetch: bool) -> None:
+    def __init__(self, cursor: sqlite3.Cursor) -> None:
         self.description = cursor.description
-        self.rows: list[Row] = cursor.fetchall() if fetch and cursor.description else []
+        self.rows: list[Row] = cursor.fetchall() if cursor.description else []
         self.rowcount = cursor.rowcount
         self.lastrowid = cursor.lastrowid
 
@@ -57,7 +57,7 @@ class OneTripCursor:
         if self._cursor is None:
             self._cursor = self._connection.sqlite.cursor()
         call(self._cursor)
-        return _Ran(self._cursor, fetch=True)
+        return _Ran(self._cursor)
 
     async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> Self:
         args = () if parameters is None else parameters
