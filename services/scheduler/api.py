@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
+from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as pb
-from managedjobs.v1 import job_service_pb2_grpc
 from services.common.access import current_principal, require_owner, require_user
 from services.common.bounds import MAX_INT64, BoundsError, check_pool, check_user, quote
 from services.common.errors import (
@@ -73,6 +73,15 @@ def _parse_page_token(token: str) -> int:
             f"page_token: {quote(token)} is not a token this server issued",
             reason="PAGE_TOKEN_INVALID",
         ) from None
+
+
+def _responses(events: Sequence[job_pb2.JobEvent], batched: bool) -> Iterator[pb.WatchJobsResponse]:
+    """A watch's responses for events ready at once: one for all of them when batched,
+    else one each."""
+    if not batched:
+        yield from (pb.WatchJobsResponse(event=event) for event in events)
+    elif events:
+        yield pb.WatchJobsResponse(events=events)
 
 
 def _job_ids(values: Sequence[int], field: str = "job_ids") -> list[int]:
@@ -351,17 +360,14 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             last = request.after_event_id
             while True:
                 backlog = await self.store.events_after(
-                    last, job_ids, user=owned.user if owned else ""
+                    last, job_ids, user=owned.user if owned else "", limit=WATCH_BATCH
                 )
                 for event in backlog:
                     sent.add(event.event_id)
                     last = event.event_id
-                if request.batched and backlog:
-                    yield pb.WatchJobsResponse(events=backlog)
-                elif backlog:
-                    for event in backlog:
-                        yield pb.WatchJobsResponse(event=event)
-                if len(backlog) < 1000:
+                for response in _responses(backlog, request.batched):
+                    yield response
+                if len(backlog) < WATCH_BATCH:
                     break
             while True:
                 try:
@@ -381,11 +387,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
                     if owned is not None and not await owned.owns(event.job_id):
                         continue
                     fresh.append(event)
-                if request.batched and fresh:
-                    yield pb.WatchJobsResponse(events=fresh)
-                else:
-                    for event in fresh:
-                        yield pb.WatchJobsResponse(event=event)
+                for response in _responses(fresh, request.batched):
+                    yield response
         finally:
             subscription.close()
 

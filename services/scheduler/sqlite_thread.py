@@ -37,7 +37,8 @@ class _Ran:
 
 
 class OneTripCursor:
-    """An aiosqlite-like cursor whose execute brings its rows back in the same trip."""
+    """An aiosqlite-like cursor whose execute brings its rows back in the same trip
+    (what the dialect's buffered cursor calls: no server-side cursor uses it)."""
 
     arraysize = 1
 
@@ -75,16 +76,6 @@ class OneTripCursor:
         if self._ran:
             self._ran.rows = []
         return rows
-
-    async def fetchone(self) -> Row | None:
-        rows = self._ran.rows if self._ran else []
-        return rows.pop(0) if rows else None
-
-    async def fetchmany(self, size: int | None = None) -> list[Row]:
-        rows = self._ran.rows if self._ran else []
-        taken = rows[: size or self.arraysize]
-        del rows[: len(taken)]
-        return taken
 
     async def close(self) -> None:
         """Queues the close behind whatever the thread does next; nothing waits for it."""
