@@ -33,7 +33,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Select, select, tuple_, update
+from sqlalchemy import BindParameter, bindparam, select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
@@ -47,8 +47,9 @@ from services.common.statuses import (
     schedule_transition,
 )
 from services.scheduler import convert, metrics
-from services.scheduler.models import AttemptRow, JobRow, TaskRow
+from services.scheduler.models import JOBS, AttemptRow, JobRow, TaskRow
 from services.scheduler.store import (
+    IDS,
     Move,
     StaleReport,
     Store,
@@ -71,6 +72,28 @@ MAX_REPORT_TEXT = 16 * 1024
 # The columns of a task's cluster name and region (characters).
 MAX_CLUSTER_NAME = 128
 MAX_REGION = 64
+
+# A batch's reads, built once (see the store's statements). Each key query also names
+# the job ids: SQLite answers a row-value IN alone with a scan of the whole table, and
+# with the job ids through the primary key.
+KEYS: BindParameter[tuple[int, ...]] = bindparam("keys", expanding=True)
+LOAD_JOBS = select(JobRow).where(JobRow.id.in_(IDS)).with_for_update()
+LOAD_TASKS = select(TaskRow).where(
+    TaskRow.job_id.in_(IDS), tuple_(TaskRow.job_id, TaskRow.task_id).in_(KEYS)
+)
+LOAD_ATTEMPTS = select(AttemptRow).where(
+    AttemptRow.job_id.in_(IDS),
+    tuple_(AttemptRow.job_id, AttemptRow.task_id, AttemptRow.attempt).in_(KEYS),
+)
+# The jobs' tasks not in a terminal status, locked.
+UNFINISHED_TASKS = (
+    select(TaskRow)
+    .where(TaskRow.job_id.in_(IDS), TaskRow.status.not_in(list(TERMINAL)))
+    .with_for_update()
+)
+ASSIGNMENT = select(JOBS.c.controller_id, JOBS.c.epoch, JOBS.c.schedule_state).where(
+    JOBS.c.id == bindparam("job_id")
+)
 
 
 class Refusal(enum.IntEnum):
@@ -221,29 +244,22 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
         return
     session = txn.session
     loaded = _loaded(txn)
-    # Each key query below also names the job ids: SQLite answers a row-value IN alone
-    # with a scan of the whole table, and with the job ids through the primary key.
     jobs_in = sorted(job_ids)
-    query = select(JobRow).where(JobRow.id.in_(jobs_in)).with_for_update()
-    found_jobs = {job.id: job for job in await session.scalars(query)}
+    found_jobs = {job.id: job for job in await session.scalars(LOAD_JOBS, {"ids": jobs_in})}
     loaded.jobs.update({job_id: found_jobs.get(job_id) for job_id in job_ids})
     if task_keys:
-        key = tuple_(TaskRow.job_id, TaskRow.task_id)
-        rows = await session.scalars(
-            select(TaskRow).where(TaskRow.job_id.in_(jobs_in), key.in_(sorted(task_keys)))
-        )
-        found_tasks = {(t.job_id, t.task_id): t for t in rows}
+        params = {"ids": jobs_in, "keys": sorted(task_keys)}
+        found_tasks = {(t.job_id, t.task_id): t for t in await session.scalars(LOAD_TASKS, params)}
         loaded.tasks.update({k: found_tasks.get(k) for k in task_keys})
     if attempt_keys:
-        key3 = tuple_(AttemptRow.job_id, AttemptRow.task_id, AttemptRow.attempt)
-        rows3 = await session.scalars(
-            select(AttemptRow).where(AttemptRow.job_id.in_(jobs_in), key3.in_(sorted(attempt_keys)))
-        )
-        found = {(a.job_id, a.task_id, a.attempt): a for a in rows3}
+        params = {"ids": jobs_in, "keys": sorted(attempt_keys)}
+        rows = await session.scalars(LOAD_ATTEMPTS, params)
+        found = {(a.job_id, a.task_id, a.attempt): a for a in rows}
         loaded.attempts.update({k: found.get(k) for k in attempt_keys})
     if finished_ids:
         unfinished: dict[int, list[TaskRow]] = {job_id: [] for job_id in finished_ids}
-        for task in await session.scalars(_unfinished_tasks(sorted(finished_ids))):
+        params = {"ids": sorted(finished_ids)}
+        for task in await session.scalars(UNFINISHED_TASKS, params):
             unfinished[task.job_id].append(task)
         loaded.unfinished.update(unfinished)
 
@@ -309,13 +325,7 @@ async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState
     Raises:
         StaleReport: it is not.
     """
-    row = (
-        await txn.session.execute(
-            select(JobRow.controller_id, JobRow.epoch, JobRow.schedule_state).where(
-                JobRow.id == job_id
-            )
-        )
-    ).first()
+    row = (await txn.session.execute(ASSIGNMENT, {"job_id": job_id})).first()
     if row is None or row[0] != cid or int(row[1]) != epoch:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return St(row[2])
@@ -473,7 +483,7 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     if job_id in loaded.unfinished:
         unfinished = loaded.unfinished[job_id]
     else:
-        unfinished = list(await txn.session.scalars(_unfinished_tasks([job_id])))
+        unfinished = list(await txn.session.scalars(UNFINISHED_TASKS, {"ids": [job_id]}))
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
             continue  # finished earlier in this batch (the query saw the stored status)
@@ -493,15 +503,6 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     job.wait_reason = ""
     txn.event(job.id, job.current_task, S(job.status), St.DONE, "done", epoch)
     txn.moves.append(Move(job_id, cid, cid, epoch, prior, St.DONE))
-
-
-def _unfinished_tasks(job_ids: list[int]) -> Select[TaskRow]:
-    """The jobs' tasks not in a terminal status, locked."""
-    return (
-        select(TaskRow)
-        .where(TaskRow.job_id.in_(job_ids), TaskRow.status.not_in(list(TERMINAL)))
-        .with_for_update()
-    )
 
 
 async def release(
