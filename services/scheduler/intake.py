@@ -1,9 +1,12 @@
 """Submission intake: concurrent SubmitJob calls share one transaction (group commit).
 
-Each call queues its job and waits. One worker commits whatever has queued, up
-to `max_batch` at a time; while a commit is in flight the next batch gathers.
-A lone submission commits at once, so batching adds no latency when idle. The
-store's move hook counts the new jobs and kicks admission once they committed.
+A submission that finds the intake idle commits its own jobs at once, in its own
+task: no hand-off to another task stands between the call and its transaction, so
+nothing else ready on the event loop (a batch of reports, say) runs first and
+takes the writer. Calls that arrive while a commit is in flight queue and wait;
+when it ends, one worker commits whatever has queued, up to `max_batch` at a
+time, and keeps on while more arrives. The store's move hook counts the new jobs
+and kicks admission once they committed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ class Intake:
         self._store = store
         self._max_batch = max_batch
         self._pending: list[tuple[NewJob, asyncio.Future[tuple[int, bool]]]] = []
+        # A commit is in flight (a caller's own, or the worker's): new calls queue.
+        self._busy = False
         self._worker: asyncio.Task[None] | None = None
 
     async def submit(self, job: NewJob) -> tuple[int, bool]:
@@ -26,27 +31,45 @@ class Intake:
 
     async def submit_many(self, jobs: list[NewJob]) -> list[tuple[int, bool]]:
         """Stores jobs, in order, in as few transactions as the batch size allows."""
+        if not self._busy:
+            self._busy = True
+            try:
+                answers: list[tuple[int, bool]] = []
+                for start in range(0, len(jobs), self._max_batch):
+                    batch = jobs[start : start + self._max_batch]
+                    answers += await self._store.submit_many(batch)
+                return answers
+            finally:
+                self._hand_on()
         loop = asyncio.get_running_loop()
         futures: list[asyncio.Future[tuple[int, bool]]] = []
         for job in jobs:
             future: asyncio.Future[tuple[int, bool]] = loop.create_future()
             self._pending.append((job, future))
             futures.append(future)
-        if self._worker is None or self._worker.done():
+        return [await future for future in futures]
+
+    def _hand_on(self) -> None:
+        """A commit ended: the worker takes what queued meanwhile, or the intake is idle."""
+        if self._pending:
             self._worker = asyncio.create_task(self._drain(), name="intake")
-        return list(await asyncio.gather(*futures))
+        else:
+            self._busy = False
 
     async def _drain(self) -> None:
-        while self._pending:
-            batch = self._pending[: self._max_batch]
-            del self._pending[: self._max_batch]
-            try:
-                answers = await self._store.submit_many([job for job, _ in batch])
-            except Exception as error:
-                for _, future in batch:
+        try:
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    answers = await self._store.submit_many([job for job, _ in batch])
+                except Exception as error:
+                    for _, future in batch:
+                        if not future.done():
+                            future.set_exception(error)
+                    continue
+                for (_, future), answer in zip(batch, answers, strict=True):
                     if not future.done():
-                        future.set_exception(error)
-                continue
-            for (_, future), answer in zip(batch, answers, strict=True):
-                if not future.done():
-                    future.set_result(answer)
+                        future.set_result(answer)
+        finally:
+            self._busy = False
