@@ -89,29 +89,31 @@ async def test_the_worker_keeps_batches_within_the_limit_and_the_intake_goes_idl
     assert store.commits[-1][1] is asyncio.current_task()
 
 
-async def test_a_failed_commit_fails_its_own_callers_and_the_queue_goes_on() -> None:
+async def held(
+    first_name: str,
+) -> tuple[asyncio.Event, asyncio.Task[tuple[int, bool]], asyncio.Task[tuple[int, bool]]]:
+    """A commit of `first_name` held in flight, and a call ("b") queued behind it."""
     store = FakeStore()
     store.hold = asyncio.Event()
     intake = intake_over(store)
-    first = asyncio.create_task(intake.submit(job("down")))
+    first = asyncio.create_task(intake.submit(job(first_name)))
     await asyncio.sleep(0)
     queued = asyncio.create_task(intake.submit(job("b")))
     await asyncio.sleep(0)
-    store.hold.set()
+    return store.hold, first, queued
+
+
+async def test_a_failed_commit_fails_its_own_callers_and_the_queue_goes_on() -> None:
+    hold, first, queued = await held("down")
+    hold.set()
     results = await asyncio.gather(first, queued, return_exceptions=True)
     assert isinstance(results[0], ConnectionError)
     assert results[1] == (1, True)
 
 
 async def test_a_cancelled_caller_still_hands_the_queue_on() -> None:
-    store = FakeStore()
-    store.hold = asyncio.Event()
-    intake = intake_over(store)
-    first = asyncio.create_task(intake.submit(job("a")))
-    await asyncio.sleep(0)
-    queued = asyncio.create_task(intake.submit(job("b")))
-    await asyncio.sleep(0)
+    hold, first, queued = await held("a")
     first.cancel()
     await asyncio.gather(first, return_exceptions=True)
-    store.hold.set()
+    hold.set()
     assert await asyncio.wait_for(queued, 5) == (1, True)
