@@ -23,18 +23,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine
-from system import postgres_database
+from system import cpu_seconds, postgres_database
 
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import (
@@ -103,7 +107,9 @@ async def measure(
     latency_jobs: int,
     concurrency: int,
     batch: int = 1,
+    cpu_seconds: Callable[[], float] = lambda: 0.0,
 ) -> dict[str, float]:
+    """The figures; `cpu_seconds` reads the scheduler's CPU time so far."""
     replica = BenchReplica(address, tokens["controller"])
     replica_task = asyncio.create_task(replica.run())
     await asyncio.wait_for(replica.ready.wait(), 10)
@@ -140,11 +146,13 @@ async def measure(
 
         before = len(replica.assigned)
         replica.target = before + jobs
+        cpu_before = cpu_seconds()
         start = time.perf_counter()
         await asyncio.gather(*(submitter() for _ in range(concurrency)))
         submit_seconds = time.perf_counter() - start
         await asyncio.wait_for(replica.reached.wait(), 120)
         all_seconds = time.perf_counter() - start
+        cpu = cpu_seconds() - cpu_before
     replica_task.cancel()
     latencies.sort()
     return {
@@ -152,6 +160,8 @@ async def measure(
         "admitted_per_s": round((len(replica.assigned) - before) / all_seconds, 1),
         "grant_latency_p50_ms": round(statistics.median(latencies), 2),
         "grant_latency_p99_ms": round(latencies[int(len(latencies) * 0.99) - 1], 2),
+        # From the first submission until every job was granted.
+        "scheduler_cpu_ms_per_job": round(cpu / jobs * 1000, 3),
     }
 
 
@@ -237,6 +247,7 @@ def main() -> None:
                                 args.latency_jobs,
                                 args.concurrency,
                                 args.batch,
+                                functools.partial(cpu_seconds, psutil.Process(process.pid)),
                             )
                         )
                     )

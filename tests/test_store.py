@@ -128,6 +128,31 @@ async def test_committed_moves_feed_the_counters(store: Store) -> None:
     assert await followed.matches_a_recount(store)
 
 
+async def test_a_batch_sees_its_own_earlier_reports(store: Store) -> None:
+    """A report's conditional UPDATE or check runs on what the batch's earlier reports
+    wrote: a slot released with the RUNNING report is not released again by a
+    LaunchSlotRelease in the same batch, nor is a slot requested twice."""
+    followed = Followed(store)
+    job_id, _ = await store.submit(new_job())
+    epoch = await assign(store, job_id)
+    release = pb.ConnectControllerRequest(
+        launch_slot_release=pb.LaunchSlotRelease(job_id=job_id, epoch=epoch)
+    )
+    await accepted(
+        store, "c1",
+        transition(job_id, epoch, S.STARTING),
+        transition(job_id, epoch, S.RUNNING, attempt=1, release_slot=True),
+        release,
+    )  # fmt: skip
+    assert followed.counters.slots("c1").launching == 0
+    assert followed.counters.slots("c1").alive == 1
+    assert await followed.matches_a_recount(store)
+    async with store.db.read() as session:
+        rows = (await session.execute(select(EventRow.schedule_state))).all()
+    # submitted, admitted, STARTING, RUNNING (which released the slot): no second release.
+    assert [St(s) for (s,) in rows].count(St.ALIVE) == 1
+
+
 async def test_move_is_conditional_on_state_epoch_and_holder(store: Store) -> None:
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
