@@ -40,7 +40,8 @@ from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.events import EventBus, WatcherOverflow
 from services.scheduler.intake import Intake
 from services.scheduler.ownership import OwnedJobs
-from services.scheduler.spec import SpecError, parse_job_spec
+from services.scheduler.spec import SpecError
+from services.scheduler.spec_cache import SpecCache
 from services.scheduler.store import NewJob, Store
 
 DEFAULT_PAGE_SIZE = 100
@@ -190,6 +191,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     ) -> None:
         # Told when a job with max_pending was stored: its deadline may be the nearest.
         self._on_pending_deadline = on_pending_deadline
+        self.specs = SpecCache()
         self.store = store
         self.bus = bus
         self.admission = admission
@@ -213,7 +215,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         user = _user(require_user(principal, request.user) or principal.user, f"{prefix}user")
         try:
             check_pool(request.pool, f"{prefix}pool")
-            spec = parse_job_spec(
+            spec = self.specs.parse(
                 request.spec_yaml,
                 name_override=request.name,
                 extra_envs=dict(request.envs),
