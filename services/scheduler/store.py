@@ -135,6 +135,13 @@ def _queue(*where: Any) -> Select[int, int, int, str | None, ScheduleState]:
 QUEUED = _queue(J.schedule_state == bindparam("state"))
 QUEUED_HELD = _queue(J.schedule_state == bindparam("state"), J.controller_id == bindparam("cid"))
 INSERT_JOBS = insert(JOBS).returning(J.id, sort_by_parameter_order=True)
+INSERT_TASKS = insert(TASKS)
+INSERT_SECRETS = insert(SECRETS)
+# Users first: the unique index on (user, key) serves the lookup.
+KEYED_JOBS = select(J.id, J.user, J.idempotency_key).where(
+    J.user.in_(bindparam("users", expanding=True)),
+    J.idempotency_key.in_(bindparam("keys", expanding=True)),
+)
 INSERT_EVENTS = insert(EVENTS).returning(EVENTS.c.id, sort_by_parameter_order=True)
 SELECT_JOBS = select(JOBS).where(J.id.in_(IDS))
 SELECT_TASKS = select(TASKS).where(TASKS.c.job_id.in_(IDS))
@@ -351,12 +358,8 @@ class Store:
         async with self.transaction(urgent=True) as txn:
             existing: dict[tuple[str, str], int] = {}
             if keys:
-                rows = await txn.session.execute(
-                    # Users first: the unique index on (user, key) serves the lookup.
-                    select(JobRow.id, JobRow.user, JobRow.idempotency_key).where(
-                        JobRow.user.in_(users), JobRow.idempotency_key.in_(keys)
-                    )
-                )
+                params = {"users": list(users), "keys": list(keys)}
+                rows = await txn.session.execute(KEYED_JOBS, params)
                 existing = {(u, k or ""): int(i) for i, u, k in rows.all()}
             fresh: list[int] = []
             first_in_batch: dict[tuple[str, str], int] = {}
@@ -378,7 +381,7 @@ class Store:
                     )
                 ).all()
                 await txn.session.execute(
-                    insert(TASKS),
+                    INSERT_TASKS,
                     [
                         _task_values(job_id, task_id, spec)
                         for job_id, i in zip(ids, fresh, strict=True)
@@ -391,7 +394,7 @@ class Store:
                     if any(jobs[i].secrets)
                 ]
                 if secrets:
-                    await txn.session.execute(insert(SECRETS), secrets)
+                    await txn.session.execute(INSERT_SECRETS, secrets)
                 for job_id, i in zip(ids, fresh, strict=True):
                     txn.event(int(job_id), 0, S.PENDING, state, SUBMITTED)
                     txn.moves.append(Move(int(job_id), None, None, 0, St.INACTIVE, state))
