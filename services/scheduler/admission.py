@@ -216,7 +216,8 @@ class Admission:
                 moves, jobs = await self.store.move_many(
                     ids, state, state, assign_to=cid, message=f"{RESUMED_ON}{cid}", fetch=True
                 )
-                await self._assign(cid, moves, jobs, granted=False)
+                secrets = await self.store.secrets([job.job_id for job in jobs])
+                await self._assign(cid, moves, jobs, secrets, granted=False)
             if not rows or placed < len(rows):
                 return
 
@@ -229,6 +230,7 @@ class Admission:
             # write commits in between, so a pass never admits past a job that was queued
             # (and ranked ahead) by the time its admissions commit.
             moved: list[tuple[str, list[Move], list[job_pb2.Job]]] = []
+            secrets: dict[int, list[pb.TaskSecrets]] = {}
             async with self.store.transaction() as txn:
                 rows = await self.store.queued(St.WAITING, None, min(room, BATCH), txn)
                 plan, placed = self._plan(rows, need_launch_room=True)
@@ -241,9 +243,11 @@ class Admission:
                     moved.append((cid, moves, jobs))
                 # One statement per replica; the event log lists admissions in queue order.
                 txn.order_events(first_event, [row.id for row in rows])
+                ids = [job.job_id for _, _, jobs in moved for job in jobs]
+                secrets = await self.store.secrets(ids, txn)
             # Sent once committed.
             for cid, moves, jobs in moved:
-                await self._assign(cid, moves, jobs, granted=True)
+                await self._assign(cid, moves, jobs, secrets, granted=True)
             if not rows or placed < len(rows):
                 return
 
@@ -263,12 +267,16 @@ class Admission:
         return plan, sum(pending.values())
 
     async def _assign(
-        self, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool
+        self,
+        cid: str,
+        moves: list[Move],
+        jobs: list[job_pb2.Job],
+        secrets: dict[int, list[pb.TaskSecrets]],
+        granted: bool,
     ) -> None:
         epochs = {m.job_id: m.epoch for m in moves}
         if granted:
             metrics.admitted(jobs)
-        secrets = await self.store.secrets([job.job_id for job in jobs])
         for job in jobs:
             epoch = epochs[job.job_id]
             try:

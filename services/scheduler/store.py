@@ -148,22 +148,31 @@ SELECT_TASKS = select(TASKS).where(TASKS.c.job_id.in_(IDS))
 SELECT_TASKS_NO_SPECS = select(*(c for c in TASKS.c if c.name != "spec")).where(
     TASKS.c.job_id.in_(IDS)
 )
-# Schedule-state moves: conditional UPDATEs (see the module's invariants).
-_MOVE = update(JOBS).where(J.id.in_(IDS), J.schedule_state == bindparam("old"))
-_MOVED = (J.id, J.epoch, J.status, J.current_task)
-MOVE_MANY = _MOVE.values(schedule_state=bindparam("new"), wait_reason="").returning(*_MOVED)
-MOVE_HELD_MANY = MOVE_MANY.where(J.controller_id == bindparam("cid"))
-# Assigning hands the jobs to a replica with the next epoch; only jobs nobody holds.
-MOVE_ASSIGN = (
-    _MOVE.where(J.controller_id.is_(None))
-    .values(
-        schedule_state=bindparam("new"),
-        wait_reason="",
-        controller_id=bindparam("to"),
-        epoch=J.epoch + 1,
+
+
+def _moves(*returning: Any) -> dict[tuple[bool, bool], Any]:
+    """Schedule-state moves of many jobs, conditional UPDATEs (see the module's
+    invariants), returning `returning`: by (assigning, held by a given replica)."""
+    moving = update(JOBS).where(J.id.in_(IDS), J.schedule_state == bindparam("old"))
+    plain = moving.values(schedule_state=bindparam("new"), wait_reason="").returning(*returning)
+    # Assigning hands the jobs to a replica with the next epoch; only jobs nobody holds.
+    assign = (
+        moving.where(J.controller_id.is_(None))
+        .values(
+            schedule_state=bindparam("new"),
+            wait_reason="",
+            controller_id=bindparam("to"),
+            epoch=J.epoch + 1,
+        )
+        .returning(*returning)
     )
-    .returning(*_MOVED)
-)
+    held = plain.where(J.controller_id == bindparam("cid"))
+    return {(False, False): plain, (True, False): assign, (False, True): held}
+
+
+MOVES = _moves(J.id, J.epoch, J.status, J.current_task)
+# The same, returning the whole rows of the moved jobs (what their assignment sends).
+MOVES_FETCHING = _moves(*JOBS.c)
 MOVE_ONE = (
     update(JOBS)
     .where(
@@ -425,12 +434,19 @@ class Store:
         async with self.db.read() as session:
             return await job_messages(session, list(job_ids), with_specs)
 
-    async def secrets(self, job_ids: Sequence[int]) -> dict[int, list[pb.TaskSecrets]]:
-        """The secrets of jobs that have any, per task: for their assignment only."""
+    async def secrets(
+        self, job_ids: Sequence[int], txn: Txn | None = None
+    ) -> dict[int, list[pb.TaskSecrets]]:
+        """The secrets of jobs that have any, per task: for their assignment only. Read in
+        `txn` when given (no transaction of their own)."""
         if not job_ids:
             return {}
-        async with self.db.read() as session:
-            rows = (await session.execute(SELECT_SECRETS, {"ids": list(job_ids)})).all()
+        params = {"ids": list(job_ids)}
+        if txn is not None:
+            rows = (await txn.session.execute(SELECT_SECRETS, params)).all()
+        else:
+            async with self.db.read() as session:
+                rows = (await session.execute(SELECT_SECRETS, params)).all()
         return {
             int(job_id): [
                 pb.TaskSecrets(task_id=task_id, secrets=values)
@@ -560,11 +576,11 @@ class Store:
         schedule_transition(old, new)
         params = {"ids": list(job_ids), "old": old, "new": new}
         if assign_to is not None:
-            query, params["to"] = MOVE_ASSIGN, assign_to
+            params["to"] = assign_to
         elif controller_id is not None:
-            query, params["cid"] = MOVE_HELD_MANY, controller_id
-        else:
-            query = MOVE_MANY
+            params["cid"] = controller_id
+        held = assign_to is None and controller_id is not None
+        query = (MOVES_FETCHING if fetch else MOVES)[(assign_to is not None, held)]
         if txn is None:
             async with self.transaction() as own:
                 return await self.move_many(
@@ -572,17 +588,25 @@ class Store:
                     message=message, fetch=fetch, txn=own,
                 )  # fmt: skip
         moves: list[Move] = []
-        rows = (await txn.session.execute(query, params)).all()
-        for job_id, epoch, status, task in rows:
+        # In the order asked for (a database returns an UPDATE's rows in any order).
+        rank = {job_id: index for index, job_id in enumerate(job_ids)}
+        rows = sorted(
+            (await txn.session.execute(query, params)).all(),
+            key=lambda row: rank.get(row.id, len(rank)),
+        )
+        for row in rows:
+            epoch = row.epoch
             # The assignment's event carries its new epoch, so the log tells who held what.
-            txn.event(job_id, task, status, new, message or new.name, epoch if assign_to else 0)
+            txn.event(row.id, row.current_task, row.status, new, message or new.name,
+                      epoch if assign_to else 0)  # fmt: skip
             moves.append(
-                Move(int(job_id), controller_id, assign_to or controller_id, epoch, old, new)
+                Move(int(row.id), controller_id, assign_to or controller_id, epoch, old, new)
             )
         txn.moves += moves
         jobs: list[job_pb2.Job] = []
         if fetch and rows:
-            jobs = await job_messages(txn.session, [int(r[0]) for r in rows])
+            # The rows as the UPDATE left them; their tasks with their specs.
+            jobs = await _with_tasks(txn.session, rows, with_specs=True)
         return moves, jobs
 
     async def move(
