@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -158,12 +159,26 @@ def _reload_tokens_on_sighup() -> None:
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload_all)
 
 
+def settle_heap() -> None:
+    """Sets what exists now aside from the garbage collector, for good (`gc.freeze`).
+
+    A started service's objects (modules, protobuf descriptors, the ORM's tables) live
+    as long as the process; a full collection would scan them all each time, a pause
+    of ~50 ms on the event loop (the scheduler's, twice in 600 sequential
+    submissions). Frozen, they are never scanned, and a full collection looks only
+    at what the service made since.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 async def run_until_signal(
     server: Server,
     grace: float,
     drain: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
     """Serves until SIGTERM or SIGINT, then drains and stops. Idempotent on repeated signals."""
+    settle_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
