@@ -18,11 +18,18 @@ class JsonFormatter(logging.Formatter):
     def __init__(self, service: str) -> None:
         super().__init__()
         self.service = service
+        # The time to the second, formatted once per second: a busy service writes many
+        # lines a second (every mutating call leaves an audit line).
+        self._second = -1
+        self._stamp = ""
 
     def format(self, record: logging.LogRecord) -> str:
+        second = int(record.created)
+        if second != self._second:
+            self._second = second
+            self._stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
         out: dict[str, object] = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-            + f".{int(record.msecs):03d}Z",
+            "time": f"{self._stamp}.{int(record.msecs):03d}Z",
             "level": record.levelname,
             "service": self.service,
             "logger": record.name,
@@ -38,6 +45,10 @@ class JsonFormatter(logging.Formatter):
 
 def setup(service: str, level: str = "INFO") -> None:
     """Routes every logger to one JSON line per record on stderr."""
+    # A line shows neither where it was logged from nor the thread or process: none is
+    # collected (logging's documented switches; the caller's frame is walked otherwise).
+    logging._srcfile = None
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
