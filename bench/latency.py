@@ -6,10 +6,11 @@ replica), then:
   arrival times from one client and measures submit -> first launch (the job's
   STARTING event) p50/p99;
 - one client submitting one job at a time, each after the previous answer:
-  the SubmitJob round trip p50/p99.
+  the SubmitJob round trip p50/p99, and each process's CPU per job meanwhile.
 Targets (SPEC §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
 
     .venv/bin/python bench/latency.py [--jobs 200] [--gaps 0.5,0.05] [--sequential 300]
+    (`--gaps ''`: the sequential client alone)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine
-from system import LONG_SPEC, channel, running_system, summary
+from system import LONG_SPEC, channel, cpu_seconds, processes, running_system, summary
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -63,16 +64,23 @@ async def poisson(stack: Stack, jobs: int, gap: float, seed: int) -> dict[str, f
     return summary([(started[j] - sent[j]) * 1000 for j in sent if j in started], "ms")
 
 
-async def sequential(stack: Stack, jobs: int) -> dict[str, float]:
-    """One job at a time, each after the previous answer: the SubmitJob round trip."""
+async def sequential(stack: Stack, jobs: int) -> dict[str, object]:
+    """One job at a time, each after the previous answer: the SubmitJob round trip, and
+    the CPU each process spent per job meanwhile (every job is admitted, launched and
+    reported RUNNING while the next ones are submitted)."""
     times = []
+    procs = processes(stack)
+    before = {name: cpu_seconds(p) for name, p in procs.items()}
     async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         for _ in range(jobs):
             start = time.perf_counter()
             await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
             times.append((time.perf_counter() - start) * 1000)
-    return summary(times, "ms")
+    cpu = {
+        name: round((cpu_seconds(p) - before[name]) / jobs * 1000, 2) for name, p in procs.items()
+    }
+    return {**summary(times, "ms"), "cpu_ms_per_job": cpu}
 
 
 def main() -> None:
@@ -84,7 +92,7 @@ def main() -> None:
     args = parser.parse_args()
     figures: dict[str, object] = {}
     with tempfile.TemporaryDirectory() as tmp, running_system(Path(tmp)) as stack:
-        for gap in (float(g) for g in args.gaps.split(",")):
+        for gap in (float(g) for g in args.gaps.split(",") if g):
             figures[f"submit_to_launch_gap_{gap:g}s"] = asyncio.run(
                 poisson(stack, args.jobs, gap, args.seed)
             )
