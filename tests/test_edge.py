@@ -24,6 +24,7 @@ from identities import Identities, make_identities
 from managedjobs.v1 import (
     controller_service_pb2,
     controller_service_pb2_grpc,
+    job_service_pb2,
     log_service_pb2,
     log_service_pb2_grpc,
     scheduler_service_pb2,
@@ -384,6 +385,11 @@ def test_the_audit_names_the_jobs_of_a_batchs_items() -> None:
     assert job_ids(batch, log_service_pb2.BatchFetchTaskLogsResponse()) == [3, 5]
     lines = [log_service_pb2.ControllerLogLine(job_id=9, line="x")]
     assert job_ids(log_service_pb2.AppendControllerLogsRequest(lines=lines)) == [9]
+    # A map is no list of items; a message that names no job adds none.
+    submit = job_service_pb2.SubmitJobRequest(envs={"job_id": "4"}, secrets={"K": "V"})
+    assert job_ids(submit, job_service_pb2.SubmitJobResponse(job_id=7)) == [7]
+    many = job_service_pb2.SubmitJobsRequest(jobs=[submit, submit])
+    assert job_ids(many, job_service_pb2.SubmitJobsResponse(job_ids=[8, 6])) == [6, 8]
 
 
 async def test_without_auth_every_caller_is_an_anonymous_admin(ids: Identities) -> None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -154,10 +155,10 @@ def job_ids(*messages: Any, items: bool = True) -> list[int]:
     found: list[int] = []
     for message in messages:
         descriptor = getattr(message, "DESCRIPTOR", None)
-        fields = getattr(descriptor, "fields_by_name", {})
-        for name in _JOB_FIELDS:
-            if name not in fields:
-                continue
+        if descriptor is None:
+            continue
+        names, lists = _job_fields(descriptor)
+        for name in names:
             value = getattr(message, name)
             if isinstance(value, int):
                 found.append(value)
@@ -165,12 +166,25 @@ def job_ids(*messages: Any, items: bool = True) -> list[int]:
                 found.extend(value)
         if not items:
             continue
-        for field in getattr(descriptor, "fields", ()):
-            if field.message_type is not None and field.is_repeated:
-                for item in getattr(message, field.name):
-                    if hasattr(item, "DESCRIPTOR"):  # a map yields its keys
-                        found.extend(job_ids(item, items=False))
+        for name in lists:
+            for item in getattr(message, name):
+                found.extend(job_ids(item, items=False))
     return sorted({i for i in found if i})
+
+
+@functools.cache
+def _job_fields(descriptor: Any) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A message type's job-id fields, and its lists of messages (a map is not one: it
+    yields its keys), read off its descriptor once."""
+    names = tuple(name for name in _JOB_FIELDS if name in descriptor.fields_by_name)
+    lists = tuple(
+        field.name
+        for field in descriptor.fields
+        if field.message_type is not None
+        and field.is_repeated
+        and not field.message_type.GetOptions().map_entry
+    )
+    return names, lists
 
 
 @dataclasses.dataclass
