@@ -249,7 +249,7 @@ class Link:
         """
         while True:
             async for attempt in AsyncRetrying(
-                wait=wait_exponential_jitter(initial=0.1, max=self._reconnect_max_wait),
+                wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
                 retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
                 before_sleep=lambda state: log.warning(
                     "scheduler stream down; reconnecting",
