@@ -23,7 +23,6 @@ from services.scheduler.db import INLINE_BUSY_MS, Database
 from services.scheduler.health import unavailable
 from services.scheduler.main import SETTINGS
 from services.scheduler.models import JobRow
-from services.scheduler.reports import INLINE_BATCH
 from services.scheduler.store import Store
 from services.scheduler.write_gate import WriteGate
 
@@ -160,7 +159,7 @@ async def test_a_gate_of_two_writers_lets_two_in_and_queues_the_third() -> None:
 
 async def traced(store: Store) -> dict[str, set[int]]:
     """The threads SQLite runs each writer connection's statements on, from now on:
-    "inline" (clients' writes, small batches) and "worker" (other background work)."""
+    "inline" (clients' writes) and "worker" (background work)."""
     ran_on: dict[str, set[int]] = {"inline": set(), "worker": set()}
     engines = {"inline": store.db.inline_engine, "worker": store.db.write_engine}
     for kind, engine in engines.items():
@@ -173,13 +172,13 @@ async def traced(store: Store) -> dict[str, set[int]]:
     return ran_on
 
 
-async def test_a_clients_write_and_a_small_batch_run_on_the_loops_thread(
+async def test_a_clients_write_runs_on_the_loops_thread_and_reports_on_the_worker(
     sqlite_store: Store,
 ) -> None:
     """A submission's statements run where the event loop does (no thread hand-off per
-    statement, nothing else interleaved), and so do a small batch of reports'; a bigger
-    batch's run on aiosqlite's worker thread, so the loop gathers the next batch
-    meanwhile. Seen from SQLite itself: the thread each statement runs on."""
+    statement, nothing else interleaved); a batch of reports', even of one report, run
+    on aiosqlite's worker thread, so the loop gathers the next batch meanwhile. Seen
+    from SQLite itself: the thread each statement runs on."""
     ran_on = await traced(sqlite_store)
     loop_thread = threading.get_ident()
     ids = [job_id for job_id, _ in await sqlite_store.submit_many([new_job() for _ in range(9)])]
@@ -189,16 +188,14 @@ async def test_a_clients_write_and_a_small_batch_run_on_the_loops_thread(
     ran_on["inline"].clear()
     ran_on["worker"].clear()
 
-    small = [transition(ids[0], epochs[0], JobStatus.STARTING, attempt=1)]
-    assert len(small) <= INLINE_BATCH
-    await accepted(sqlite_store, "c1", *small)
-    assert ran_on == {"inline": {loop_thread}, "worker": set()}
-    ran_on["inline"].clear()
+    await accepted(sqlite_store, "c1", transition(ids[0], epochs[0], JobStatus.STARTING))
+    assert ran_on["inline"] == set()
+    assert ran_on["worker"] and loop_thread not in ran_on["worker"]
+    ran_on["worker"].clear()
 
     pairs = zip(ids[1:], epochs[1:], strict=True)
-    big = [transition(j, e, JobStatus.STARTING, attempt=1) for j, e in pairs]
-    assert len(big) > INLINE_BATCH
-    await accepted(sqlite_store, "c1", *big)
+    many = [transition(j, e, JobStatus.STARTING, attempt=1) for j, e in pairs]
+    await accepted(sqlite_store, "c1", *many)
     assert ran_on["inline"] == set()
     assert ran_on["worker"] and loop_thread not in ran_on["worker"]
 

@@ -8,10 +8,12 @@ reports) run on aiosqlite's worker thread, one round trip per statement
 is written. A client's write (a submission, a cancel)
 runs on the event loop's own thread (`sqlite_inline`), start to commit without a
 thread hand-off per statement and without other work interleaved: its turn is
-short, and so is the wait of whatever comes next. So does a batch of reports of
-a few requests, behind which nothing would gather anyway. (An admission pass
-stays on the thread even when small: run inline, its turns and the clients'
-fell into lockstep, one job each, and single-call admission dropped to ~300/s.)
+short, and so is the wait of whatever comes next. Background work stays on the
+thread even when small: run inline, an admission pass's turns and the clients'
+fell into lockstep, one job each (single-call admission dropped to ~300/s), and
+small report batches, written at once, did not gather (a sequential client's job
+cost the scheduler ~6.3 ms of CPU with batches of up to four reports inline,
+~4.6 ms without).
 Reads use a third engine (WAL mode: readers never block the writer), also
 inline. PostgreSQL uses one engine for everything; its reads run concurrently, and
 its writes take the same turns, one at a time by default (`--db-writers`): a
@@ -110,8 +112,8 @@ class Database:
     url: str
     write_engine: AsyncEngine
     read_engine: AsyncEngine
-    # SQLite: clients' writes and small report batches, on the event loop's thread; the
-    # same one writer as `write_engine`, in turns.
+    # SQLite: clients' writes, on the event loop's thread; the same one writer as
+    # `write_engine`, in turns.
     inline_engine: AsyncEngine | None = None
     # Write transactions at once (0: no limit); SQLite has one writer whatever is asked.
     writers: int = 1
@@ -136,22 +138,18 @@ class Database:
         return self.url.startswith("sqlite")
 
     @asynccontextmanager
-    async def write(
-        self, urgent: bool = False, inline: bool | None = None
-    ) -> AsyncIterator[AsyncSession]:
+    async def write(self, urgent: bool = False) -> AsyncIterator[AsyncSession]:
         """A write transaction: committed on exit, rolled back on error.
 
         `urgent` (a client waiting) goes before waiting background work
-        (`write_gate.py`). On SQLite it runs on the event loop's thread unless
-        `inline` says otherwise; background work runs there when `inline` asks (a
-        small batch, too short for anything to gather behind it).
+        (`write_gate.py`); on SQLite it runs on the event loop's thread, background
+        work on the worker thread.
         """
         if self.gate is None:
             async with self._writer() as session, session.begin():
                 yield session
             return
-        on_loop = urgent if inline is None else inline
-        sessions = self._inline_writer if on_loop else self._writer
+        sessions = self._inline_writer if urgent else self._writer
         async with self.gate.turn(urgent), sessions() as session, session.begin():
             yield session
 

@@ -63,10 +63,6 @@ from services.scheduler.store import (
 S = JobStatus
 St = ScheduleState
 NO_FINAL_STATUS = "the lifecycle ended without a final status"
-# A batch of at most this many reports is written on the event loop's thread (SQLite):
-# a few milliseconds sooner, and under load batches are bigger and keep the worker
-# thread, where the next batch gathers while one is written (`db.py`).
-INLINE_BATCH = 4
 # Bytes kept of each text of a report (a message, a reason, a condition).
 MAX_REPORT_TEXT = 16 * 1024
 # The columns of a task's cluster name and region (characters).
@@ -124,7 +120,7 @@ class Reports:
     ) -> Applied:
         """Applies a replica's reports, in order, in one transaction."""
         applied = Applied()
-        async with self.store.transaction(inline=len(requests) <= INLINE_BATCH) as txn:
+        async with self.store.transaction() as txn:
             await _prefetch(txn, requests)
             for request in requests:
                 refusal, reason = await self._one(txn, controller_id, request, applied)

@@ -310,20 +310,17 @@ class Store:
     # --- the one door in ------------------------------------------------------------------
 
     @asynccontextmanager
-    async def transaction(
-        self, urgent: bool = False, inline: bool | None = None
-    ) -> AsyncIterator[Txn]:
+    async def transaction(self, urgent: bool = False) -> AsyncIterator[Txn]:
         """A write transaction; its events and moves are published once it committed.
 
         `urgent`: a client waits for it (a submission, a cancel); on SQLite it goes
-        before waiting background work. `inline`: on SQLite, run on the event loop's
-        thread (by default, urgent ones do; see `db.py`).
+        before waiting background work, on the event loop's thread (see `db.py`).
         """
         self.writes_in_flight += 1
         self.writes_started += 1
         try:
             try:
-                async with self.db.write(urgent, inline) as session:
+                async with self.db.write(urgent) as session:
                     txn = Txn(session, self.clock())
                     yield txn
                     messages = await _insert_events(session, txn.events)
