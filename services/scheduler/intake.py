@@ -23,6 +23,7 @@ class Intake:
         self._pending: list[tuple[NewJob, asyncio.Future[tuple[int, bool]]]] = []
         # A commit is in flight (a caller's own, or the worker's): new calls queue.
         self._busy = False
+        # Never read: held so the event loop's weak reference is not the worker's only one.
         self._worker: asyncio.Task[None] | None = None
 
     async def submit(self, job: NewJob) -> tuple[int, bool]:
