@@ -1,5 +1,6 @@
-"""Background writes on SQLite: one round trip to aiosqlite's worker thread per
-statement, with the answers SQLite gave (rows, RETURNING, row counts, errors)."""
+"""Writes on SQLite: one round trip to aiosqlite's worker thread per statement in the
+background, with the answers SQLite gave (rows, RETURNING, row counts, errors), and
+none on the event loop's own connections."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import aiosqlite
+import greenlet
 import pytest
 from sqlalchemy import func, select, text, update
 from sqlalchemy.exc import IntegrityError
@@ -99,3 +101,37 @@ async def test_a_failed_statement_rolls_its_transaction_back_and_the_writer_goes
         row = (await session.execute(select(JobRow.wait_reason, JobRow.epoch))).one()
         assert tuple(row) == ("", 7)
         assert await session.scalar(select(func.count()).select_from(JobRow)) == 1
+
+
+@contextmanager
+def greenlet_switches() -> Iterator[list[str]]:
+    """Every greenlet switch while the block runs (SQLAlchemy's asyncio extension runs
+    its synchronous core in a greenlet and leaves it to await the driver)."""
+    seen: list[str] = []
+
+    def trace(event: str, _args: Any) -> None:
+        seen.append(event)
+
+    previous = greenlet.settrace(trace)
+    try:
+        yield seen
+    finally:
+        greenlet.settrace(previous)
+
+
+async def test_a_statement_leaves_sqlalchemys_greenlet_only_for_its_trip(
+    sqlite_store: Store,
+) -> None:
+    """On the event loop's connections (a client's write, a read) a statement runs
+    where it is called: into SQLAlchemy's greenlet and back out, two switches. On the
+    worker's, the trip to the thread adds one wait, two more switches (the aiosqlite
+    dialect's cursor waited three to four times per statement)."""
+    [(job_id, _)] = await sqlite_store.submit_many([new_job()])
+    query = select(JobRow.epoch).where(JobRow.id == job_id)
+    for write, switches_per_statement in ((sqlite_store.db.read, 2), (sqlite_store.db.write, 4)):
+        async with write() as session:
+            await session.execute(query)  # the transaction begun
+            with greenlet_switches() as switches:
+                for _ in range(5):
+                    assert (await session.execute(query)).scalar() == 0
+            assert len(switches) == 5 * switches_per_statement

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select, text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.ext.asyncio import AsyncSession
 from test_store import accepted, assign, new_job, transition
 
 from services.common import settings
@@ -167,8 +168,10 @@ async def traced(store: Store) -> dict[str, set[int]]:
         async with engine.connect() as conn:  # each engine's one writer connection
             raw = (await conn.get_raw_connection()).driver_connection
             threads = ran_on[kind]
-            # The sqlite3 connection beneath: called on the thread that runs a statement.
-            raw._conn.set_trace_callback(lambda _sql, t=threads: t.add(threading.get_ident()))
+            # The sqlite3 connection (beneath the worker's): called on the thread that runs
+            # a statement.
+            sqlite = getattr(raw, "sqlite", raw)
+            sqlite.set_trace_callback(lambda _sql, t=threads: t.add(threading.get_ident()))
     return ran_on
 
 
@@ -177,7 +180,7 @@ async def test_a_clients_write_runs_on_the_loops_thread_and_reports_on_the_worke
 ) -> None:
     """A submission's statements run where the event loop does (no thread hand-off per
     statement, nothing else interleaved); a batch of reports', even of one report, run
-    on aiosqlite's worker thread, so the loop gathers the next batch meanwhile. Seen
+    on the worker thread, so the loop gathers the next batch meanwhile. Seen
     from SQLite itself: the thread each statement runs on."""
     ran_on = await traced(sqlite_store)
     loop_thread = threading.get_ident()
@@ -207,9 +210,9 @@ async def test_a_clients_write_gives_up_soon_on_a_lock_held_by_another_process(
     turns). The inline writer waits for it at most INLINE_BUSY_MS (the loop stands still
     meanwhile), then fails as a database that is away: UNAVAILABLE, nothing stored."""
     assert sqlite_store.db.inline_engine is not None
-    async with sqlite_store.db.inline_engine.connect() as conn:
-        busy = (await conn.execute(text("PRAGMA busy_timeout"))).scalar()
-        await conn.rollback()
+    async with AsyncSession(sqlite_store.db.inline_engine) as session:
+        busy = (await session.execute(text("PRAGMA busy_timeout"))).scalar()
+        await session.rollback()
     assert busy == INLINE_BUSY_MS
     other = sqlite3.connect(tmp_path / "writers.db", isolation_level=None)
     other.execute("BEGIN IMMEDIATE")

@@ -43,8 +43,8 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
-from services.scheduler.sqlite_inline import inline_creator
-from services.scheduler.sqlite_thread import one_trip_creator
+from services.scheduler.sqlite_inline import engine_url, inline_connector
+from services.scheduler.sqlite_thread import thread_connector
 from services.scheduler.write_gate import WriteGate
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -90,12 +90,13 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_ms: int = 10_000) 
 
 
 def _sqlite_engine(url: str, begin: str, inline: bool = False, **pool: Any) -> AsyncEngine:
-    # No reset-on-return ROLLBACK: every session ends its own transaction, and with
-    # aiosqlite each statement is a thread hop worth saving.
+    # No reset-on-return ROLLBACK: every session ends its own transaction, and on the
+    # worker thread each statement is a round trip worth saving.
     busy_ms = INLINE_BUSY_MS if inline else 10_000
-    creator = inline_creator if inline else one_trip_creator
-    pool["async_creator"] = creator(make_url(url).database or "", busy_ms / 1000)
-    engine = create_async_engine(url, pool_reset_on_return=None, **pool)
+    path = make_url(url).database or ""
+    connector = inline_connector if inline else thread_connector
+    pool["creator"] = connector(path, busy_ms / 1000)
+    engine = create_async_engine(engine_url(path), pool_reset_on_return=None, **pool)
     event.listen(engine.sync_engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=busy_ms))
 
     @event.listens_for(engine.sync_engine, "begin")

@@ -1,27 +1,31 @@
-"""SQLite writes on aiosqlite's worker thread, one thread round trip per statement.
+"""SQLite writes on aiosqlite's worker thread, one round trip per statement.
 
-SQLAlchemy's aiosqlite dialect makes four calls per statement (open a cursor,
-execute, fetch the rows, close), and aiosqlite sends each to its worker thread
-and waits for the answer: four hand-offs and four wake-ups of the event loop for
-a statement that takes microseconds on a local file. An admission pass of five
-statements made ~25 round trips and held SQLite's writer 3-4 ms while clients
-waited for it. `OneTripConnection` keeps aiosqlite's interface, which the
-dialect expects, and makes a statement one round trip: the cursor is opened and
-its rows fetched on the thread with the execute, and closing it is queued behind
-it without a wait.
+Background writes (admission, reports; see `db.py`) run on a worker thread, so
+that the event loop gathers the next batch of reports while one is written.
+SQLAlchemy's aiosqlite dialect makes three to four round trips to that thread per
+statement (open a cursor, execute, fetch the rows, close), each a hand-off and a
+wake-up of the event loop: an admission pass of five statements made ~25 and held
+SQLite's writer 3-4 ms while clients waited for it.
 
-The engine of background writes (admission, reports; see `db.py`) uses it.
+`ThreadConnection` is the DB-API connection that SQLAlchemy's synchronous core
+sees (through `sqlite_inline.SQLiteDialect`): a statement is one trip, on which a
+cursor is opened, run, its rows fetched and closed, and SQLAlchemy's greenlet
+waits for that trip's answer and for nothing else. aiosqlite provides the thread
+and its queue (aiosqlite 0.22's internals: `_execute`, `_conn`).
 """
 
 from __future__ import annotations
 
+import collections
 import sqlite3
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
 
 import aiosqlite
+from sqlalchemy.util.concurrency import await_only, in_greenlet
 
 Row = tuple[Any, ...]
+IsolationLevel = Literal["DEFERRED", "EXCLUSIVE", "IMMEDIATE"] | None
 
 
 class _Ran:
@@ -29,59 +33,60 @@ class _Ran:
 
     __slots__ = ("description", "lastrowid", "rowcount", "rows")
 
-    def __init__(self, cursor: sqlite3.Cursor) -> None:
-        self.description = cursor.description
-        self.rows: list[Row] = cursor.fetchall() if cursor.description else []
-        self.rowcount = cursor.rowcount
-        self.lastrowid = cursor.lastrowid
+    def __init__(self, connection: sqlite3.Connection, sql: str, parameters: Any, many: bool):
+        cursor = connection.cursor()
+        try:
+            if many:
+                cursor.executemany(sql, parameters)
+            else:
+                cursor.execute(sql, parameters)
+            self.description = cursor.description
+            self.rows: list[Row] = cursor.fetchall() if cursor.description else []
+            self.rowcount = cursor.rowcount
+            self.lastrowid = cursor.lastrowid
+        finally:
+            cursor.close()
 
 
-class OneTripCursor:
-    """An aiosqlite-like cursor whose execute brings its rows back in the same trip
-    (what the dialect's buffered cursor calls: no server-side cursor uses it)."""
+class ThreadCursor:
+    """A DB-API cursor whose execute runs on the worker thread and brings its rows back in
+    the same trip (what the dialect's buffered results read: no server-side cursor)."""
 
     arraysize = 1
 
-    def __init__(self, connection: OneTripConnection) -> None:
+    def __init__(self, connection: ThreadConnection) -> None:
         self._connection = connection
-        self._cursor: sqlite3.Cursor | None = None
         self._ran: _Ran | None = None
+        self._rows: collections.deque[Row] = collections.deque()
 
-    async def __aenter__(self) -> Self:
+    def execute(self, sql: str, parameters: Sequence[Any] = ()) -> ThreadCursor:
+        return self._run(sql, parameters, many=False)
+
+    def executemany(self, sql: str, parameters: Sequence[Sequence[Any]]) -> ThreadCursor:
+        return self._run(sql, parameters, many=True)
+
+    def _run(self, sql: str, parameters: Any, many: bool) -> ThreadCursor:
+        self._ran = await_only(self._connection.on_thread(sql, parameters, many))
+        self._rows = collections.deque(self._ran.rows)
         return self
 
-    async def __aexit__(self, *_: object) -> None:
-        await self.close()
+    def fetchone(self) -> Row | None:
+        return self._rows.popleft() if self._rows else None
 
-    def _run(self, call: Callable[[sqlite3.Cursor], object]) -> _Ran:
-        """On the worker thread: runs `call` on the sqlite3 cursor, then reads its rows."""
-        if self._cursor is None:
-            self._cursor = self._connection.sqlite.cursor()
-        call(self._cursor)
-        return _Ran(self._cursor)
+    def fetchmany(self, size: int | None = None) -> list[Row]:
+        count = min(self.arraysize if size is None else size, len(self._rows))
+        return [self._rows.popleft() for _ in range(count)]
 
-    async def execute(self, sql: str, parameters: Sequence[Any] | None = None) -> Self:
-        args = () if parameters is None else parameters
-        self._ran = await self._connection.on_thread(self._run, lambda c: c.execute(sql, args))
-        return self
-
-    async def executemany(self, sql: str, parameters: Iterable[Sequence[Any]]) -> Self:
-        self._ran = await self._connection.on_thread(
-            self._run, lambda c: c.executemany(sql, parameters)
-        )
-        return self
-
-    async def fetchall(self) -> list[Row]:
-        rows = self._ran.rows if self._ran else []
-        if self._ran:
-            self._ran.rows = []
+    def fetchall(self) -> list[Row]:
+        rows = list(self._rows)
+        self._rows.clear()
         return rows
 
-    async def close(self) -> None:
-        """Queues the close behind whatever the thread does next; nothing waits for it."""
-        cursor, self._cursor = self._cursor, None
-        if cursor is not None:
-            self._connection.queue(cursor.close)
+    def close(self) -> None:
+        self._rows.clear()
+
+    async def _async_soft_close(self) -> None:
+        """Its rows are already fetched: nothing to release before the result is read."""
 
     @property
     def description(self) -> Any:
@@ -96,40 +101,60 @@ class OneTripCursor:
         return self._ran.lastrowid if self._ran else None
 
 
-class OneTripConnection(aiosqlite.Connection):
-    """An aiosqlite connection whose cursors make one thread round trip per statement
-    (aiosqlite 0.22's internals: its worker queue and `_execute`)."""
+class ThreadConnection:
+    """A DB-API connection whose statements run on aiosqlite's worker thread, called from
+    SQLAlchemy's greenlet (each call waits for the thread's answer)."""
 
-    def __init__(self, connector: Callable[[], sqlite3.Connection]) -> None:
-        super().__init__(connector, iter_chunk_size=64)
-        # A scheduler that stops without closing its engines (it failed to start) must
-        # not wait at exit for this thread; SQLite's journal covers a write cut short.
-        self._thread.daemon = True
+    def __init__(self, worker: aiosqlite.Connection) -> None:
+        self._worker = worker
 
     @property
     def sqlite(self) -> sqlite3.Connection:
-        return self._conn
+        return self._worker._conn
 
-    def on_thread(self, function: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        """Runs `function(*args)` on the worker thread; its result, or its error."""
-        return self._execute(function, *args)
+    def on_thread(self, sql: str, parameters: Any, many: bool) -> Awaitable[_Ran]:
+        """Runs one statement on the worker thread; what it left, or its error."""
+        return self._worker._execute(_Ran, self.sqlite, sql, parameters, many)
 
-    def queue(self, function: Callable[[], object]) -> None:
-        """Runs `function` on the worker thread after what is queued, without an answer."""
-        self._tx.put_nowait((None, function))
+    def cursor(self) -> ThreadCursor:
+        return ThreadCursor(self)
 
-    def cursor(self) -> OneTripCursor:  # type: ignore[override]
-        return OneTripCursor(self)
+    def commit(self) -> None:
+        await_only(self._worker.commit())
+
+    def rollback(self) -> None:
+        await_only(self._worker.rollback())
+
+    def close(self) -> None:
+        if in_greenlet():
+            await_only(self._worker.close())
+        else:  # (a pool emptied outside the event loop's greenlets): close without waiting
+            self._worker.stop()
+
+    @property
+    def isolation_level(self) -> IsolationLevel:
+        return self.sqlite.isolation_level
+
+    @isolation_level.setter
+    def isolation_level(self, value: IsolationLevel) -> None:
+        self.sqlite.isolation_level = value
+
+    def create_function(self, *args: Any, **kwargs: Any) -> None:
+        self.sqlite.create_function(*args, **kwargs)
 
 
-def one_trip_creator(path: str, timeout: float) -> Callable[[], Awaitable[OneTripConnection]]:
-    """`async_creator` for `create_async_engine`: connections to the SQLite file `path`."""
+def thread_connector(path: str, timeout: float) -> Callable[[], ThreadConnection]:
+    """The engine's `creator` (called in SQLAlchemy's greenlet): connections to the SQLite
+    file `path`, each with its worker thread."""
 
-    async def create() -> OneTripConnection:
-        connection = OneTripConnection(
-            lambda: sqlite3.connect(path, timeout=timeout, check_same_thread=False)
+    def connect() -> ThreadConnection:
+        worker = aiosqlite.Connection(
+            lambda: sqlite3.connect(path, timeout=timeout, check_same_thread=False),
+            iter_chunk_size=64,
         )
-        await connection
-        return connection
+        # A scheduler that stops without closing its engines (it failed to start) must
+        # not wait at exit for this thread; SQLite's journal covers a write cut short.
+        worker._thread.daemon = True
+        return ThreadConnection(await_only(worker))
 
-    return create
+    return connect
