@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
 import json
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -54,7 +55,6 @@ from services.scheduler.models import (
     JOBS,
     SECRETS,
     TASKS,
-    AttemptRow,
     EventRow,
     JobRow,
     TaskRow,
@@ -187,6 +187,28 @@ MOVE_ONE = (
 MOVE_ONE_WITH_REASON = MOVE_ONE.values(wait_reason=bindparam("reason"))
 ORPHANS = _queue(J.controller_id.is_(None), J.schedule_state.in_(list(ALIVE_LIST)))
 SELECT_SECRETS = select(SECRETS.c.job_id, SECRETS.c.data).where(SECRETS.c.job_id.in_(IDS))
+JOB_ATTEMPTS = select(ATTEMPTS).where(ATTEMPTS.c.job_id == bindparam("job_id"))
+OWNERS = select(J.id, J.user).where(J.id.in_(IDS))
+# ListJobs' filters, in `_list_query`'s order.
+LIST_FILTERS = ("ids", "statuses", "user", "name", "before_id")
+
+
+@functools.cache
+def _list_query(ids: bool, statuses: bool, user: bool, name: bool, before: bool) -> Select[Any]:
+    """ListJobs' query (newest first) with the filters given, built once per combination
+    (the logs service asks for jobs by id with every new job's first lines)."""
+    query = select(JOBS).order_by(J.id.desc()).limit(bindparam("limit"))
+    if ids:
+        query = query.where(J.id.in_(IDS))
+    if statuses:
+        query = query.where(J.status.in_(bindparam("statuses", expanding=True)))
+    if user:
+        query = query.where(J.user == bindparam("user"))
+    if name:
+        query = query.where(J.name == bindparam("name"))
+    if before:
+        query = query.where(J.id < bindparam("before_id"))
+    return query
 
 
 class StaleReport(Exception):
@@ -419,8 +441,7 @@ class Store:
             jobs = await job_messages(session, [job_id], with_specs)
             if not jobs:
                 return None
-            query = select(ATTEMPTS).where(AttemptRow.job_id == job_id)
-            attempts = (await session.execute(query)).all()
+            attempts = (await session.execute(JOB_ATTEMPTS, {"job_id": job_id})).all()
         job = jobs[0]
         for row in sorted(attempts, key=lambda a: (a.task_id, a.attempt)):
             if 0 <= row.task_id < len(job.tasks):
@@ -463,20 +484,17 @@ class Store:
         job_ids: Sequence[int] = (),
     ) -> list[job_pb2.Job]:
         """Newest first; `before_id` continues a page; `job_ids`, when given, filters."""
-        query = select(JOBS).order_by(JobRow.id.desc()).limit(limit)
-        if job_ids:
-            query = query.where(JobRow.id.in_(list(job_ids)))
-        statuses = list(statuses)
-        if statuses:
-            query = query.where(JobRow.status.in_(statuses))
-        if user:
-            query = query.where(JobRow.user == user)
-        if name:
-            query = query.where(JobRow.name == name)
-        if before_id:
-            query = query.where(JobRow.id < before_id)
+        params = {
+            "limit": limit,
+            "ids": list(job_ids),
+            "statuses": list(statuses),
+            "user": user,
+            "name": name,
+            "before_id": before_id,
+        }
+        query = _list_query(*(bool(params[f]) for f in LIST_FILTERS))
         async with self.db.read() as session:
-            rows = (await session.execute(query)).all()
+            rows = (await session.execute(query, params)).all()
             return await _with_tasks(session, rows, with_specs=False)
 
     async def events_after(
@@ -497,9 +515,9 @@ class Store:
 
     async def job_owners(self, ids: Iterable[int]) -> dict[int, str]:
         """job_id -> user of the jobs that exist among `ids`."""
-        query = select(JobRow.id, JobRow.user).where(JobRow.id.in_(list(ids)))
         async with self.db.read() as session:
-            return {int(i): str(u) for i, u in (await session.execute(query)).all()}
+            rows = (await session.execute(OWNERS, {"ids": list(ids)})).all()
+        return {int(i): str(u) for i, u in rows}
 
     # --- admission ------------------------------------------------------------------------
 
