@@ -21,8 +21,10 @@ reason to fail a job, nor to fail the batch it came in.
 Every status change costs O(1) in the length of the chain: the job row keeps the
 index of its current task, so a transition reads and writes the job, the task,
 and at most the next task. A batch reads every row its reports touch in four
-queries up front (`_prefetch`) and writes them back in one flush, so its cost in
-round trips to the database does not grow with its size.
+queries up front (`_prefetch`), as plain values (`rows.Tracked`, not ORM objects),
+and writes back what changed with one UPDATE per table and set of changed columns,
+each run once for all its rows, so its cost in round trips to the database does
+not grow with its size.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import BindParameter, bindparam, select, tuple_, update
+from sqlalchemy import BindParameter, Row, bindparam, select, tuple_, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
@@ -47,7 +49,8 @@ from services.common.statuses import (
     schedule_transition,
 )
 from services.scheduler import convert, metrics
-from services.scheduler.models import JOBS, AttemptRow, JobRow, TaskRow
+from services.scheduler.models import ATTEMPTS, JOBS, TASKS, JobRow
+from services.scheduler.rows import Tracked
 from services.scheduler.store import (
     IDS,
     Move,
@@ -73,19 +76,15 @@ MAX_REGION = 64
 # the job ids: SQLite answers a row-value IN alone with a scan of the whole table, and
 # with the job ids through the primary key.
 KEYS: BindParameter[tuple[int, ...]] = bindparam("keys", expanding=True)
-LOAD_JOBS = select(JobRow).where(JobRow.id.in_(IDS)).with_for_update()
-LOAD_TASKS = select(TaskRow).where(
-    TaskRow.job_id.in_(IDS), tuple_(TaskRow.job_id, TaskRow.task_id).in_(KEYS)
-)
-LOAD_ATTEMPTS = select(AttemptRow).where(
-    AttemptRow.job_id.in_(IDS),
-    tuple_(AttemptRow.job_id, AttemptRow.task_id, AttemptRow.attempt).in_(KEYS),
+T, A = TASKS.c, ATTEMPTS.c
+LOAD_JOBS = select(JOBS).where(JOBS.c.id.in_(IDS)).with_for_update()
+LOAD_TASKS = select(TASKS).where(T.job_id.in_(IDS), tuple_(T.job_id, T.task_id).in_(KEYS))
+LOAD_ATTEMPTS = select(ATTEMPTS).where(
+    A.job_id.in_(IDS), tuple_(A.job_id, A.task_id, A.attempt).in_(KEYS)
 )
 # The jobs' tasks not in a terminal status, locked.
 UNFINISHED_TASKS = (
-    select(TaskRow)
-    .where(TaskRow.job_id.in_(IDS), TaskRow.status.not_in(list(TERMINAL)))
-    .with_for_update()
+    select(TASKS).where(T.job_id.in_(IDS), T.status.not_in(list(TERMINAL))).with_for_update()
 )
 ASSIGNMENT = select(JOBS.c.controller_id, JOBS.c.epoch, JOBS.c.schedule_state).where(
     JOBS.c.id == bindparam("job_id")
@@ -123,6 +122,9 @@ class Reports:
         async with self.store.transaction() as txn:
             await _prefetch(txn, requests)
             for request in requests:
+                if request.WhichOneof("message") != "transition":
+                    # Its statements read or move rows earlier reports changed.
+                    await txn.write_back()
                 refusal, reason = await self._one(txn, controller_id, request, applied)
                 if refusal == Refusal.STALE:
                     self.refused_stale += 1
@@ -194,21 +196,29 @@ class Reports:
 
 @dataclasses.dataclass
 class Loaded:
-    """Rows a batch read up front, by key; a key looked up and absent is known absent."""
+    """Rows a batch read, by key (one `Tracked` per row, whichever query read it); a key
+    looked up and absent is known absent."""
 
-    jobs: dict[int, JobRow | None] = dataclasses.field(default_factory=dict)
-    tasks: dict[tuple[int, int], TaskRow | None] = dataclasses.field(default_factory=dict)
-    attempts: dict[tuple[int, int, int], AttemptRow | None] = dataclasses.field(
-        default_factory=dict
-    )
+    txn: Txn
+    jobs: dict[int, Tracked | None] = dataclasses.field(default_factory=dict)
+    tasks: dict[tuple[int, int], Tracked | None] = dataclasses.field(default_factory=dict)
+    attempts: dict[tuple[int, int, int], Tracked | None] = dataclasses.field(default_factory=dict)
     # The tasks not finished in the database, of each job a JobFinished names.
-    unfinished: dict[int, list[TaskRow]] = dataclasses.field(default_factory=dict)
+    unfinished: dict[int, list[Tracked]] = dataclasses.field(default_factory=dict)
+
+    def task(self, row: Row[Any]) -> Tracked:
+        """The batch's one copy of a task row read (the first read of it)."""
+        key = (row.job_id, row.task_id)
+        task = self.tasks.get(key)
+        if task is None:
+            task = self.tasks[key] = self.txn.track(TASKS, row)
+        return task
 
 
 def _loaded(txn: Txn) -> Loaded:
     loaded = txn.cache.get("reports")
     if not isinstance(loaded, Loaded):
-        loaded = txn.cache["reports"] = Loaded()
+        loaded = txn.cache["reports"] = Loaded(txn)
     return loaded
 
 
@@ -241,22 +251,24 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
     session = txn.session
     loaded = _loaded(txn)
     jobs_in = sorted(job_ids)
-    found_jobs = {job.id: job for job in await session.scalars(LOAD_JOBS, {"ids": jobs_in})}
-    loaded.jobs.update({job_id: found_jobs.get(job_id) for job_id in job_ids})
+    found_jobs = (await session.execute(LOAD_JOBS, {"ids": jobs_in})).all()
+    loaded.jobs.update(dict.fromkeys(job_ids))
+    loaded.jobs.update((job.id, txn.track(JOBS, job)) for job in found_jobs)
     if task_keys:
         params = {"ids": jobs_in, "keys": sorted(task_keys)}
-        found_tasks = {(t.job_id, t.task_id): t for t in await session.scalars(LOAD_TASKS, params)}
-        loaded.tasks.update({k: found_tasks.get(k) for k in task_keys})
+        loaded.tasks.update(dict.fromkeys(task_keys))
+        for row in (await session.execute(LOAD_TASKS, params)).all():
+            loaded.task(row)
     if attempt_keys:
         params = {"ids": jobs_in, "keys": sorted(attempt_keys)}
-        rows = await session.scalars(LOAD_ATTEMPTS, params)
-        found = {(a.job_id, a.task_id, a.attempt): a for a in rows}
-        loaded.attempts.update({k: found.get(k) for k in attempt_keys})
+        loaded.attempts.update(dict.fromkeys(attempt_keys))
+        for row in (await session.execute(LOAD_ATTEMPTS, params)).all():
+            loaded.attempts[(row.job_id, row.task_id, row.attempt)] = txn.track(ATTEMPTS, row)
     if finished_ids:
-        unfinished: dict[int, list[TaskRow]] = {job_id: [] for job_id in finished_ids}
+        unfinished: dict[int, list[Tracked]] = {job_id: [] for job_id in finished_ids}
         params = {"ids": sorted(finished_ids)}
-        for task in await session.scalars(UNFINISHED_TASKS, params):
-            unfinished[task.job_id].append(task)
+        for row in (await session.execute(UNFINISHED_TASKS, params)).all():
+            unfinished[row.job_id].append(loaded.task(row))
         loaded.unfinished.update(unfinished)
 
 
@@ -327,23 +339,27 @@ async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState
     return St(row[2])
 
 
-async def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> JobRow:
+async def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
     # Locked by `_prefetch` (FOR UPDATE on PostgreSQL) when the batch read it.
     loaded = _loaded(txn)
     if job_id in loaded.jobs:
         job = loaded.jobs[job_id]
     else:
-        job = await txn.session.get(JobRow, job_id, with_for_update=True)
+        row = (await txn.session.execute(LOAD_JOBS, {"ids": [job_id]})).first()
+        job = loaded.jobs[job_id] = None if row is None else txn.track(JOBS, row)
     if job is None or job.epoch != epoch or job.controller_id != cid:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return job
 
 
-async def _task(txn: Txn, job_id: int, task_id: int) -> TaskRow | None:
+async def _task(txn: Txn, job_id: int, task_id: int) -> Tracked | None:
     loaded = _loaded(txn)
-    if (job_id, task_id) in loaded.tasks:
-        return loaded.tasks[(job_id, task_id)]
-    return await txn.session.get(TaskRow, (job_id, task_id), with_for_update=True)
+    key = (job_id, task_id)
+    if key not in loaded.tasks:
+        params = {"ids": [job_id], "keys": [key]}
+        row = (await txn.session.execute(LOAD_TASKS.with_for_update(), params)).first()
+        loaded.tasks[key] = None if row is None else loaded.task(row)
+    return loaded.tasks[key]
 
 
 async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
@@ -403,21 +419,23 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
 
 
 async def _record_attempt(
-    txn: Txn, task: TaskRow, report: pb.TaskTransition, new: JobStatus
+    txn: Txn, task: Tracked, report: pb.TaskTransition, new: JobStatus
 ) -> None:
     """Keeps the attempt's row: opened when it runs, closed with its end and exit code."""
     if not _touches_attempt(report):
         return
     key = (task.job_id, task.task_id, report.attempt)
     loaded = _loaded(txn)
-    if key in loaded.attempts:
-        attempt = loaded.attempts[key]
-    else:
-        attempt = await txn.session.get(AttemptRow, key)
+    if key not in loaded.attempts:
+        params = {"ids": [key[0]], "keys": [key]}
+        row = (await txn.session.execute(LOAD_ATTEMPTS, params)).first()
+        loaded.attempts[key] = None if row is None else txn.track(ATTEMPTS, row)
+    attempt = loaded.attempts[key]
     if attempt is None:
         if new != S.RUNNING and not report.HasField("exit_code"):
             return
-        attempt = AttemptRow(
+        attempt = txn.track_new(
+            ATTEMPTS,
             job_id=task.job_id,
             task_id=task.task_id,
             attempt=report.attempt,
@@ -426,7 +444,6 @@ async def _record_attempt(
             start_time=txn.now,
             outcome="",
         )
-        txn.session.add(attempt)
         loaded.attempts[key] = attempt
     if report.HasField("exit_code"):
         attempt.exit_code = report.exit_code
@@ -443,7 +460,7 @@ def _touches_attempt(report: pb.TaskTransition) -> bool:
     return report.status != S.CANCELLING or report.HasField("exit_code")
 
 
-async def _follow_current_task(txn: Txn, job: JobRow, task: TaskRow) -> None:
+async def _follow_current_task(txn: Txn, job: Tracked, task: Tracked) -> None:
     """A job shows its first unfinished (not SUCCEEDED) task's status."""
     status = S(task.status)
     if task.task_id == job.current_task and status == S.SUCCEEDED:
@@ -479,7 +496,8 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     if job_id in loaded.unfinished:
         unfinished = loaded.unfinished[job_id]
     else:
-        unfinished = list(await txn.session.scalars(UNFINISHED_TASKS, {"ids": [job_id]}))
+        rows = (await txn.session.execute(UNFINISHED_TASKS, {"ids": [job_id]})).all()
+        unfinished = [loaded.task(row) for row in rows]
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
             continue  # finished earlier in this batch (the query saw the stored status)

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import BindParameter, Row, Select, bindparam, func, insert, select, update
+from sqlalchemy import BindParameter, Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -59,6 +59,7 @@ from services.scheduler.models import (
     JobRow,
     TaskRow,
 )
+from services.scheduler.rows import Tracked, write_back
 from services.scheduler.spec import resources_summary
 
 T = TypeVar("T")
@@ -227,6 +228,25 @@ class Txn:
     after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
     # What a writer read up front for the rest of the transaction (e.g. a batch's rows).
     cache: dict[str, object] = dataclasses.field(default_factory=dict)
+    # Rows read as plain values and changed in Python (`rows.py`): written back before a
+    # statement that may read or move them, and before the commit.
+    tracked: list[Tracked] = dataclasses.field(default_factory=list)
+
+    def track(self, table: Table, row: Row[Any]) -> Tracked:
+        """A row read in this transaction, as a `Tracked` row it writes back."""
+        tracked = Tracked(table, row._asdict())
+        self.tracked.append(tracked)
+        return tracked
+
+    def track_new(self, table: Table, **values: Any) -> Tracked:
+        """A row this transaction inserts (when it writes back)."""
+        tracked = Tracked.new(table, **values)
+        self.tracked.append(tracked)
+        return tracked
+
+    async def write_back(self) -> None:
+        """Writes the tracked rows' changes (and new rows) now."""
+        await write_back(self.session, self.tracked)
 
     def event(
         self,
@@ -259,7 +279,7 @@ class Txn:
         )
 
 
-def set_task_status(task: TaskRow, new: JobStatus) -> bool:
+def set_task_status(task: Tracked, new: JobStatus) -> bool:
     """The one way a single task's status changes; False for a repeat of the same status.
 
     Raises:
@@ -345,6 +365,7 @@ class Store:
                 async with self.db.write(urgent) as session:
                     txn = Txn(session, self.clock())
                     yield txn
+                    await txn.write_back()
                     messages = await _insert_events(session, txn.events)
             except (SQLAlchemyError, OSError):
                 # Committed or not, nobody knows: the counters must be checked.
