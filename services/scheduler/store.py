@@ -190,8 +190,6 @@ ORPHANS = _queue(J.controller_id.is_(None), J.schedule_state.in_(list(ALIVE_LIST
 SELECT_SECRETS = select(SECRETS.c.job_id, SECRETS.c.data).where(SECRETS.c.job_id.in_(IDS))
 JOB_ATTEMPTS = select(ATTEMPTS).where(ATTEMPTS.c.job_id == bindparam("job_id"))
 OWNERS = select(J.id, J.user).where(J.id.in_(IDS))
-# ListJobs' filters, in `_list_query`'s order.
-LIST_FILTERS = ("ids", "statuses", "user", "name", "before_id")
 
 
 @functools.cache
@@ -505,15 +503,10 @@ class Store:
         job_ids: Sequence[int] = (),
     ) -> list[job_pb2.Job]:
         """Newest first; `before_id` continues a page; `job_ids`, when given, filters."""
-        params = {
-            "limit": limit,
-            "ids": list(job_ids),
-            "statuses": list(statuses),
-            "user": user,
-            "name": name,
-            "before_id": before_id,
-        }
-        query = _list_query(*(bool(params[f]) for f in LIST_FILTERS))
+        statuses = list(statuses)
+        query = _list_query(bool(job_ids), bool(statuses), bool(user), bool(name), bool(before_id))
+        params = {"limit": limit, "ids": list(job_ids), "statuses": statuses, "user": user,
+                  "name": name, "before_id": before_id}  # fmt: skip
         async with self.db.read() as session:
             rows = (await session.execute(query, params)).all()
             return await _with_tasks(session, rows, with_specs=False)
