@@ -651,7 +651,9 @@ def test_two_replicas_launching_twenty_jobs_never_double_book_a_host(
     stack: Stack, jobs: job_service_pb2_grpc.JobServiceStub, clean: SshHosts
 ) -> None:
     race = pool(clean, RACE)
-    spec = "name: racer\nresources:\n  region: race\nrun: sleep 1\n"
+    # Long enough that the pool is seen full between launches even on a slow machine (with
+    # 1 s, a sampler that reads every process table sometimes never caught four at once).
+    spec = "name: racer\nresources:\n  region: race\nrun: sleep 3\n"
     seen: list[dict[str, set[str]]] = []
     stop = threading.Event()
 
