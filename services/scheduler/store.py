@@ -730,8 +730,8 @@ async def _with_tasks(
     if jobs:
         query = SELECT_TASKS if with_specs else SELECT_TASKS_NO_SPECS
         for task in (await session.execute(query, {"ids": [j.id for j in jobs]})).all():
-            tasks.setdefault(task.job_id, []).append(task)
-    return [convert.job_message(j, tasks.get(j.id, []), with_specs) for j in jobs]
+            tasks.setdefault(task._mapping["job_id"], []).append(task)
+    return [convert.job_message(j, tasks.get(j._mapping["id"], []), with_specs) for j in jobs]
 
 
 async def _insert_events(
