@@ -6,6 +6,7 @@ fake service logic); the unreachable case runs `mj` as a real process.
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
@@ -29,7 +30,7 @@ from managedjobs.v1 import (
     log_service_pb2,
     log_service_pb2_grpc,
 )
-from services.cli import commands, specs, tables
+from services.cli import commands, output, specs, tables
 from services.cli.main import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -111,6 +112,45 @@ def test_queue_table_shows_a_chain_as_a_job_row_and_one_row_per_task() -> None:
         [" ↳", "1", "fit", "1x[spot](cpus=8)", "1 hr ago", "1h 1m 40s", "49m 50s", "1", "RUNNING"],
         ["9", "-", "later", "-", "30 secs ago", "30s", "-", "0", "PENDING"],
     ]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+TABLE_HEADERS = ["ID", "NAME", "STATUS"]
+TABLE_ROWS = [["7", "{name}", "FAILED_SETUP"], ["12", "x", "RUNNING"], ["3", "long-name", ""]]
+
+
+def test_a_plain_table_aligns_columns_with_no_trailing_blanks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    output.print_table(TABLE_HEADERS, TABLE_ROWS)
+    assert out.getvalue() == (
+        "ID  NAME       STATUS\n"
+        "7   {name}     FAILED_SETUP\n"
+        "12  x          RUNNING\n"
+        "3   long-name\n"
+    )
+
+
+def test_a_terminal_table_colours_statuses_and_aligns_as_the_plain_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    out = _Terminal()
+    monkeypatch.setattr(sys, "stdout", out)
+    output.print_table(TABLE_HEADERS, TABLE_ROWS)
+    text = out.getvalue()
+    assert text.splitlines()[0] == "\x1b[1mID\x1b[0m  \x1b[1mNAME     \x1b[0m  \x1b[1mSTATUS\x1b[0m"
+    assert "\x1b[31mFAILED_SETUP\x1b[0m" in text
+    assert "\x1b[32mRUNNING\x1b[0m" in text
+    plain = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", plain)
+    output.print_table(TABLE_HEADERS, TABLE_ROWS)
+    assert re.sub("\x1b\\[[0-9]+m", "", text) == plain.getvalue()
 
 
 def test_queue_table_puts_user_after_name_with_all() -> None:

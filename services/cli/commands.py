@@ -132,13 +132,13 @@ def queue(client: Client, args: argparse.Namespace) -> int:
     """Lists jobs as a table: the caller's (or `--user`'s), or everyone's with `--all`."""
     user = "" if args.all else (args.filter_user or args.user)
     page_size = PAGE_SIZE if args.limit is None else min(PAGE_SIZE, args.limit)
-    jobs = list(client.list_jobs(args.status, user, page_size, limit=args.limit))
-    if not jobs:
+    jobs = client.list_jobs(args.status, user, page_size, limit=args.limit)
+    # Each page is laid out while the scheduler builds the next one.
+    rows = tables.queue_table(jobs, time.time(), args.all)
+    if not rows:
         print("No managed jobs.")
         return ExitCode.OK
-    output.print_table(
-        tables.queue_headers(args.all), tables.queue_table(jobs, time.time(), args.all)
-    )
+    output.print_table(tables.queue_headers(args.all), rows)
     return ExitCode.OK
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from rich.console import Console
-
 _STATUS_STYLES = {
     "SUCCEEDED": "green",
     "RUNNING": "green",
@@ -21,13 +19,7 @@ _STATUS_STYLES = {
     "RECOVERING": "cyan",
     "STARTING": "cyan",
 }
-_UNBOUNDED = 100_000
 _ANSI = {"green": "32", "yellow": "33", "cyan": "36", "red": "31"}
-
-
-def console() -> Console:
-    # Never squeeze a table to the terminal: truncated ids and statuses are worse than a wrap.
-    return Console(file=sys.stdout, highlight=False, width=_UNBOUNDED)
 
 
 def _style(header: str, cell: str) -> str:
@@ -39,16 +31,17 @@ def _style(header: str, cell: str) -> str:
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """Columns aligned, no borders, like `sky jobs queue`; STATUS coloured on a terminal.
 
-    Laid out here rather than by rich, whose layout costs seconds for a queue of
+    Laid out here, not by a table library, whose layout costs seconds for a queue of
     tens of thousands of rows: each column as wide as its widest cell, two spaces
     between columns, no trailing blanks (they only get in the way of `diff` and `awk`).
     """
-    widths = [len(h) for h in headers]
-    for row in rows:
-        for index, cell in enumerate(row):
-            if len(cell) > widths[index]:
-                widths[index] = len(cell)
-    colour = sys.stdout.isatty()
+    widths = [max(map(len, column)) for column in zip(headers, *rows, strict=True)]
+    if not sys.stdout.isatty():
+        # Plain: one format for every line (a queue may have tens of thousands).
+        template = "  ".join([*(f"{{:<{width}}}" for width in widths[:-1]), "{}"])
+        lines = [template.format(*headers), *(template.format(*row) for row in rows)]
+        sys.stdout.write("".join(text.rstrip() + "\n" for text in lines))
+        return
     status = headers.index("STATUS") if "STATUS" in headers else -1
     last = len(headers) - 1
 
@@ -56,9 +49,9 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         parts = []
         for index, cell in enumerate(cells):
             padded = cell if index == last else cell.ljust(widths[index])
-            if colour and header:
+            if header:
                 padded = f"\x1b[1m{padded}\x1b[0m"
-            elif colour and index == status and (style := _style("STATUS", cell)):
+            elif index == status and (style := _style("STATUS", cell)):
                 padded = f"\x1b[{_ANSI[style]}m{padded}\x1b[0m"
             parts.append(padded)
         return "  ".join(parts).rstrip() + "\n"

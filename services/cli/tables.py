@@ -12,6 +12,7 @@ left, or how it went once its clock stopped.
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Iterable
 
 from google.protobuf import timestamp_pb2
 
@@ -164,8 +165,9 @@ def queue_headers(show_user: bool) -> list[str]:
     return _with_user([*headers, "#RECOVERIES", "STATUS"], "USER" if show_user else None)
 
 
-def queue_table(jobs: list[job_pb2.Job], now: float, show_user: bool) -> list[list[str]]:
-    """The rows of `mj queue` under `queue_headers(show_user)`, in the order of `jobs`."""
+def queue_table(jobs: Iterable[job_pb2.Job], now: float, show_user: bool) -> list[list[str]]:
+    """The rows of `mj queue` under `queue_headers(show_user)`, in the order of `jobs`
+    (taken one by one, as they arrive)."""
     rows: list[list[str]] = []
     for job in jobs:
         submitted = seconds(job.submit_time)

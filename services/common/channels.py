@@ -20,8 +20,16 @@ from typing import Any
 
 import grpc
 
-from services.common.server import CHANNEL_OPTIONS
 from services.common.tls import ClientTls
+
+# A message's bound, both ways, on every server and channel of the system.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 Metadata = tuple[tuple[str, str], ...]
 

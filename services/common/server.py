@@ -28,12 +28,12 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from services.common.auth import reload_all
+from services.common.channels import MAX_MESSAGE_BYTES
 from services.common.edge import EdgeInterceptor, ServerSecurity
 from services.common.settings import SettingError
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 SERVER_OPTIONS = [
     # A port another process holds is an error, never shared: with SO_REUSEPORT (gRPC's
     # default) a second scheduler on the same port would silently take half the calls.
@@ -42,12 +42,6 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-]
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
