@@ -115,6 +115,7 @@ def guards(folder: Path) -> dict[str, Snapshot]:
         job_service + "SubmitJobs": jobs,
         job_service + "CancelJobs": jobs,
         sim_cloud + "Launch": cloud,
+        sim_cloud + "LaunchClusters": cloud,
         operator + "SetCapacity": cloud,
         operator + "InjectFaults": cloud,
         "/managedjobs.v1.LogService/FetchTaskLogs": logs,

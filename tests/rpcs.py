@@ -65,6 +65,9 @@ REQUESTS: dict[str, message.Message] = {
     "/managedjobs.simcloud.v1.SimCloudService/Launch": spb.LaunchRequest(
         cluster_name="matrix", job_id=1, epoch=1
     ),
+    "/managedjobs.simcloud.v1.SimCloudService/LaunchClusters": spb.LaunchClustersRequest(
+        calls=[spb.LaunchRequest(cluster_name="matrix-many", job_id=2, epoch=1)]
+    ),
     "/managedjobs.simcloud.v1.SimCloudService/GetCluster": spb.GetClusterRequest(
         cluster_name="matrix"
     ),

@@ -121,3 +121,35 @@ async def test_a_sender_that_answers_the_wrong_number_of_items_fails_the_batch()
     coalescer: Coalescer[str, str, str] = Coalescer(short)
     with pytest.raises(RuntimeError, match="1 outcomes for 2 calls"):
         await asyncio.gather(coalescer.call("k", "1"), coalescer.call("k", "2"))
+
+
+async def test_an_item_done_for_a_caller_that_gave_up_in_flight_is_handed_to_abandoned() -> None:
+    sender = Sender()
+    sender.hold = asyncio.Event()
+    left: list[tuple[str, str]] = []
+    coalescer: Coalescer[str, str, str] = Coalescer(
+        sender.send, abandoned=lambda item, result: left.append((item, result))
+    )
+    gone = asyncio.create_task(coalescer.call("k", "1"))
+    failed = asyncio.create_task(coalescer.call("k", "bad"))
+    stays = asyncio.create_task(coalescer.call("k", "2"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert sender.batches == [("k", ["1", "bad", "2"])]  # in flight
+    gone.cancel()
+    failed.cancel()
+    sender.hold.set()
+    assert await stays == "k:2"
+    # Only what succeeded for nobody: not a failed item, not one a caller still awaited.
+    assert left == [("1", "k:1")]
+    # A caller that gave up before its batch left is not sent, so never abandoned.
+    sender.hold = asyncio.Event()
+    first = asyncio.create_task(coalescer.call("k", "3"))
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    quitter = asyncio.create_task(coalescer.call("k", "4"))
+    await asyncio.sleep(0)
+    quitter.cancel()
+    sender.hold.set()
+    assert await first == "k:3"
+    assert left == [("1", "k:1")]

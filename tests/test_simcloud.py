@@ -22,6 +22,7 @@ from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
 from services.backends import (
     BackendUnreachableError,
     ClusterEvent,
+    ClusterHandle,
     ClusterStatus,
     Observation,
     PrecheckError,
@@ -487,6 +488,64 @@ async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_o
     assert await backend.cluster_exists(two.cluster_name)
 
 
+async def test_launches_asked_for_at_once_go_as_one_call_each_answered_on_its_own(
+    backend: SimBackend, running: RunningCloud
+) -> None:
+    before = backend.launches.batches
+    outcomes = await asyncio.gather(
+        backend.launch(task(1)),
+        backend.launch(task(2)),
+        backend.launch(task(3)),  # east and west are full by now: no capacity anywhere
+        backend.launch(task(4, region="mars-1")),
+        backend.launch(task(1, epoch=0)),  # below epoch 1, launched just before it
+        return_exceptions=True,
+    )
+    assert backend.launches.batches == before + 1
+    first, second, full, nowhere, stale = outcomes
+    assert isinstance(first, ClusterHandle) and isinstance(second, ClusterHandle)
+    assert (first.region, second.region) == (EAST, WEST)
+    assert isinstance(full, ResourcesUnavailableError)
+    assert full.regions_tried == [EAST, WEST, EU]
+    assert isinstance(nowhere, PrecheckError) and "unknown region" in str(nowhere)
+    assert isinstance(stale, StaleEpochError)
+    state = running.cloud.state()
+    assert (state.launched_total, state.stale_launches_rejected) == (2, 1)
+    # A request too big to share a batch's 4 MiB goes alone, as a Launch of its own.
+    big = {"runtime_seconds": 1e6, "log_lines": ["x" * 1000] * 20}
+    handle = await backend.launch(task(5, use_spot=False, sim=big))
+    assert backend.launches.batches == before + 1
+    assert await backend.cluster_exists(handle.cluster_name)
+
+
+async def test_launch_batches_keep_within_their_bounds(running: RunningCloud) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+        cloud = pb_grpc.SimCloudServiceStub(channel)
+        operator = pb_grpc.SimOperatorServiceStub(channel)
+        one = pb.LaunchRequest(cluster_name="c", job_id=1, epoch=1)
+        for calls in ([], [one] * 1001):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await cloud.LaunchClusters(pb.LaunchClustersRequest(calls=calls))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "calls: 1 to 1000 calls" in (caught.value.details() or "")
+        # A bad item is answered alone, named as in a Launch of its own.
+        bad = pb.LaunchRequest(cluster_name="../etc", job_id=2, epoch=1)
+        reply = await cloud.LaunchClusters(pb.LaunchClustersRequest(calls=[one, bad]))
+        assert reply.results[0].response.cluster.name == "c"
+        error = reply.results[1].error
+        assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "cluster_name" in error.message
+        assert running.cloud.state().launched_total == 1
+        # An outage fails the whole call, launching nothing.
+        await operator.InjectFaults(pb.InjectFaultsRequest(unreachable_seconds=1e6))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await cloud.LaunchClusters(
+                pb.LaunchClustersRequest(calls=[pb.LaunchRequest(cluster_name="d", job_id=3)])
+            )
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        await operator.ResetFaults(pb.ResetFaultsRequest())
+        assert running.cloud.state().launched_total == 1
+
+
 async def test_log_reads_asked_for_at_once_share_one_call_and_a_big_log_is_read_alone(
     backend: SimBackend, running: RunningCloud
 ) -> None:
@@ -628,6 +687,31 @@ async def test_a_launch_its_caller_abandons_is_rolled_back() -> None:
         with contextlib.suppress(asyncio.CancelledError):
             await launching
         await eventually(lambda: sim.cluster_exists("mj-7-0"), False)
+    finally:
+        await sim.close()
+        await cloud.stop()
+
+
+async def test_a_launch_never_waits_for_a_batch_in_flight() -> None:
+    """Launches take minutes on a real cloud: one asked for while others provision goes
+    at once in a batch of its own, and callers that give up leave nothing behind."""
+    cloud = await start(
+        small_cloud(time_scale=1.0, launch_latency_seconds=30.0),
+        port=0,
+        security=ServerSecurity.without_auth(),
+    )
+    sim = SimBackend(f"127.0.0.1:{cloud.port}")
+    try:
+        launching = []
+        for job in (1, 2, 3, 4, 5, 6):
+            launching.append(asyncio.create_task(sim.launch(task(job, use_spot=False))))
+            await eventually(lambda job=job: sim.cluster_exists(f"mj-{job}-0"), True)
+        assert sim.launches.batches == 6
+        for call in launching:
+            call.cancel()
+        await asyncio.gather(*launching, return_exceptions=True)
+        for job in (1, 2, 3, 4, 5, 6):
+            await eventually(lambda job=job: sim.cluster_exists(f"mj-{job}-0"), False)
     finally:
         await sim.close()
         await cloud.stop()

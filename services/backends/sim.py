@@ -33,9 +33,13 @@ afresh from its head.
 Durations the cloud is given are simulated seconds: `terminate`'s grace, like
 the `sim` key's runtime, passes `time_scale` times faster than real time, and
 the Terminate call, which returns once the cluster is gone, may take that long.
-Stops and teardowns asked for at once go as one TerminateClusters call per grace
-(`terminations`), each item answered, and failed, on its own; log reads asked for
-at once go as one GetLogs call (`log_reads`).
+Launches asked for at once go as one LaunchClusters call (`launches`), stops and
+teardowns as one TerminateClusters call per grace (`terminations`), each item
+answered, and failed, on its own; log reads asked for at once go as one GetLogs
+call (`log_reads`). A batched launch whose caller gives up (a cancel, a drain) is
+torn down at once, and again should its batch still bring it UP, as the cloud rolls
+back a lone Launch cancelled mid-way; closing the backend cancels its batches in
+flight, which the cloud rolls back.
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
 ended has nothing to tell and the call returns quietly.
@@ -49,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
@@ -78,6 +83,8 @@ from services.common.coalesce import Coalescer
 from services.common.errors import error_info
 from services.simcloud.bounds import NAME_RE
 
+log = logging.getLogger(__name__)
+
 _CLUSTER_STATUS = {
     pb.CLUSTER_STATUS_INIT: ClusterStatus.INIT,
     pb.CLUSTER_STATUS_UP: ClusterStatus.UP,
@@ -96,6 +103,10 @@ _PRECHECK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITI
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # Clusters per GetClusters call (the cloud's limit).
 GET_CLUSTERS_BATCH = 1000
+# Launches in one LaunchClusters call at most; a request larger than LAUNCH_ALONE_BYTES
+# (a long `log_lines` script) goes alone, so a batch stays within gRPC's 4 MiB message.
+LAUNCH_BATCH = 256
+LAUNCH_ALONE_BYTES = 12 * 1024
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -127,6 +138,15 @@ def _error(code: grpc.StatusCode, details: str, reason: str) -> BackendError:
     if code in _UNREACHABLE:
         return BackendUnreachableError(f"sim cloud unreachable: {code.name}: {details}")
     return BackendError(f"sim cloud error: {code.name}: {details}")
+
+
+def _launch_outcome(result: pb.LaunchResult) -> pb.LaunchResponse | BaseException:
+    if not result.HasField("error"):
+        return result.response
+    error = result.error
+    if _STATUS_CODES.get(error.code) == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourcesUnavailableError(error.message, list(result.regions_tried))
+    return call_error(error)
 
 
 def _batchable(handle: ClusterHandle) -> str:
@@ -241,6 +261,16 @@ class SimBackend(Backend):
         self._regions: tuple[str, ...] | None = None
         self._time_scale: float | None = None
         self._loading: asyncio.Task[None] | None = None
+        # Launches asked for at once go as one LaunchClusters call, never waiting for an
+        # earlier batch (a launch may take minutes); one done for a caller that gave up
+        # meanwhile is torn down.
+        self.launches: Coalescer[None, pb.LaunchRequest, pb.LaunchResponse] = Coalescer(
+            self._launch_clusters,
+            max_batch=LAUNCH_BATCH,
+            in_flight=LAUNCH_BATCH,
+            abandoned=lambda call, _: self._abandon(call),
+        )
+        self._teardowns: set[asyncio.Task[None]] = set()
         # Stops and teardowns asked for at once go as one TerminateClusters call, by
         # (keep_cluster, grace): a long grace never holds up a short one.
         self.terminations: Coalescer[tuple[bool, float], pb.TerminateRequest, None] = Coalescer(
@@ -266,10 +296,19 @@ class SimBackend(Backend):
     ) -> ClusterHandle:
         """Launches in the sim cloud; returns once the cluster is UP and its task started."""
         call = launch_request(request, candidate_regions, blocked_regions)
-        try:
-            reply = await self._cloud().Launch(call, timeout=self._launch_timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise backend_error(exc) from exc
+        if call.ByteSize() > LAUNCH_ALONE_BYTES:
+            try:
+                reply = await self._cloud().Launch(call, timeout=self._launch_timeout)
+            except grpc.aio.AioRpcError as exc:
+                raise backend_error(exc) from exc
+        else:
+            try:
+                reply = await self.launches.call(None, call)
+            except asyncio.CancelledError:
+                # The cloud rolls back a lone Launch whose caller gives up; a batch goes on,
+                # and may have started this one.
+                self._abandon(call)
+                raise
         cluster = reply.cluster
         return ClusterHandle(
             cluster_name=cluster.name,
@@ -279,6 +318,36 @@ class SimBackend(Backend):
             data={"cluster_id": cluster.cluster_id},
             seen=observation(cluster),
         )
+
+    async def _launch_clusters(
+        self, _: None, calls: list[pb.LaunchRequest]
+    ) -> list[pb.LaunchResponse | BaseException]:
+        """One LaunchClusters call; each failed item as the error it would raise alone."""
+        request = pb.LaunchClustersRequest(calls=calls)
+        try:
+            reply = await self._cloud().LaunchClusters(request, timeout=self._launch_timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise backend_error(exc) from exc
+        return [_launch_outcome(result) for result in reply.results]
+
+    def _abandon(self, call: pb.LaunchRequest) -> None:
+        """Tears down what a launch its caller gave up on may have started: nobody else
+        would ever end it. (Terminated while provisioning, it fails in its batch.)"""
+        handle = ClusterHandle(call.cluster_name, self.name)
+        task = asyncio.create_task(self._tear_down(handle, call.epoch), name="abandoned-launch")
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
+    async def _tear_down(self, handle: ClusterHandle, epoch: int) -> None:
+        try:
+            await self.terminate(handle, epoch)
+        except BackendError as error:
+            # A newer epoch holds it (its holder decides), or the cloud is away: the
+            # cluster is then the job's next holder's to find by its name.
+            log.info(
+                "abandoned launch not torn down",
+                extra={"cluster": handle.cluster_name, "error": str(error)},
+            )
 
     def handle_for(self, cluster_name: str) -> ClusterHandle:
         return ClusterHandle(cluster_name, self.name)
@@ -518,6 +587,9 @@ class SimBackend(Backend):
             call.cancel()
 
     async def close(self) -> None:
+        for task in list(self._teardowns):
+            task.cancel()
+        await asyncio.gather(*self._teardowns, return_exceptions=True)
         if self._loading is not None:
             self._loading.cancel()
             await asyncio.gather(self._loading, return_exceptions=True)

@@ -80,6 +80,7 @@ POLICY: Mapping[str, Rule] = {
     **_service(
         "managedjobs.simcloud.v1.SimCloudService",
         Launch=_rule(CONTROLLER, ADMIN, mutating=True),
+        LaunchClusters=_rule(CONTROLLER, ADMIN, mutating=True),
         Terminate=_rule(CONTROLLER, ADMIN, mutating=True),
         TerminateClusters=_rule(CONTROLLER, ADMIN, mutating=True),
         NotifyPreemption=_rule(CONTROLLER, ADMIN, mutating=True),

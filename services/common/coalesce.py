@@ -13,7 +13,8 @@ the next turn of the event loop with every other call of its key made until then
 when `in_flight` batches of the key are out already, it goes with the next batch,
 once one of them is answered. Batching never waits for company. A caller that
 gives up before its batch leaves drops out of it; one that gives up later leaves
-its item to finish without it (the batched calls are idempotent).
+its item to finish without it (the batched calls are idempotent), and an item
+that then succeeds for nobody is handed to `abandoned`, to be undone if need be.
 """
 
 from __future__ import annotations
@@ -34,15 +35,22 @@ IN_FLIGHT = 4
 # Sends one batch: one outcome per item, in order; an item that failed alone is the
 # exception it raised. An exception raised by the send itself fails every item.
 Send = Callable[[K, list[T]], Awaitable[list[R | BaseException]]]
+# Told of an item that succeeded after its caller had given up: (item, its result).
+Abandoned = Callable[[T, R], None]
 
 
 class Coalescer(Generic[K, T, R]):
     def __init__(
-        self, send: Send[K, T, R], max_batch: int = MAX_BATCH, in_flight: int = IN_FLIGHT
+        self,
+        send: Send[K, T, R],
+        max_batch: int = MAX_BATCH,
+        in_flight: int = IN_FLIGHT,
+        abandoned: Abandoned[T, R] | None = None,
     ) -> None:
         self._send = send
         self._max_batch = max_batch
         self._in_flight = in_flight
+        self._abandoned = abandoned
         self._pending: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
         self._senders: dict[K, set[asyncio.Task[None]]] = {}
         # Batches sent so far.
@@ -74,8 +82,10 @@ class Coalescer(Generic[K, T, R]):
                         raise RuntimeError(f"{len(outcomes)} outcomes for {len(batch)} calls")
                 except Exception as error:
                     outcomes = [error] * len(batch)
-                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                for (item, future), outcome in zip(batch, outcomes, strict=True):
                     if future.done():
+                        if self._abandoned and not isinstance(outcome, BaseException):
+                            self._abandoned(item, outcome)
                         continue
                     if isinstance(outcome, BaseException):
                         future.set_exception(outcome)

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
@@ -33,6 +34,7 @@ from services.common.errors import (
 )
 from services.simcloud import bounds, convert
 from services.simcloud.cloud import Cloud
+from services.simcloud.errors import NoCapacity
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,24 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
 
     @rpc_errors
     async def Launch(self, request: pb.LaunchRequest, context: Context) -> pb.LaunchResponse:
+        return await self._launch(request)
+
+    @rpc_errors
+    async def LaunchClusters(
+        self, request: pb.LaunchClustersRequest, context: Context
+    ) -> pb.LaunchClustersResponse:
+        calls = request.calls
+        _batch_size(len(calls))
+        self.cloud.check_reachable()
+        outcomes = await each_alone(self._launch(call) for call in calls)
+        reply = pb.LaunchClustersResponse()
+        _answer_each(reply.results, outcomes)
+        for result, outcome in zip(reply.results, outcomes, strict=True):
+            if isinstance(outcome, NoCapacity):
+                result.regions_tried.extend(outcome.regions_tried)
+        return reply
+
+    async def _launch(self, request: pb.LaunchRequest) -> pb.LaunchResponse:
         cluster, tried = await self.cloud.launch(convert.launch_spec(request))
         log.debug(
             "launched",
@@ -103,28 +123,14 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
         self, request: pb.TerminateClustersRequest, context: Context
     ) -> pb.TerminateClustersResponse:
         calls = request.calls
-        if not 1 <= len(calls) <= bounds.MAX_NAMES_PER_CALL:
-            raise InvalidArgument(
-                f"calls: 1 to {bounds.MAX_NAMES_PER_CALL} calls, got {len(calls)}", field="calls"
-            )
+        _batch_size(len(calls))
         graces = [_terminate_grace(call, f"calls[{i}].") for i, call in enumerate(calls)]
         self.cloud.check_reachable()
         outcomes = await each_alone(
             self._terminate(call, grace) for call, grace in zip(calls, graces, strict=True)
         )
         reply = pb.TerminateClustersResponse()
-        for outcome in outcomes:
-            result = reply.results.add()
-            if isinstance(outcome, ApiError):
-                result.error.CopyFrom(
-                    pb.CallError(
-                        code=outcome.code.value[0],
-                        message=bound(outcome.message, MAX_MESSAGE_BYTES),
-                        reason=outcome.reason,
-                    )
-                )
-            else:
-                result.response.CopyFrom(outcome)
+        _answer_each(reply.results, outcomes)
         return reply
 
     async def _terminate(self, request: pb.TerminateRequest, grace: float) -> pb.TerminateResponse:
@@ -390,3 +396,24 @@ class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
             head_seq=state.head_seq,
             unreachable_until_time=convert.timestamp(clock, state.unreachable_until),
         )
+
+
+def _batch_size(calls: int) -> None:
+    """A batched call carries 1 to `MAX_NAMES_PER_CALL` calls."""
+    if not 1 <= calls <= bounds.MAX_NAMES_PER_CALL:
+        raise InvalidArgument(
+            f"calls: 1 to {bounds.MAX_NAMES_PER_CALL} calls, got {calls}", field="calls"
+        )
+
+
+def _answer_each(results: Any, outcomes: Sequence[Message | ApiError]) -> None:
+    """A batch's results, one per call in order: its response, or the error it would
+    have failed with alone."""
+    for outcome in outcomes:
+        result = results.add()
+        if isinstance(outcome, ApiError):
+            result.error.code = outcome.code.value[0]
+            result.error.message = bound(outcome.message, MAX_MESSAGE_BYTES)
+            result.error.reason = outcome.reason
+        else:
+            result.response.CopyFrom(outcome)

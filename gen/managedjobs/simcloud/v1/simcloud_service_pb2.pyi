@@ -319,6 +319,84 @@ class LaunchResponse(_message.Message):
 Global___LaunchResponse: _TypeAlias = LaunchResponse  # noqa: Y015
 
 @_typing.final
+class LaunchClustersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CALLS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchRequest]: ...
+    def __init__(
+        self,
+        *,
+        calls: _abc.Iterable[Global___LaunchRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchClustersRequest: _TypeAlias = LaunchClustersRequest  # noqa: Y015
+
+@_typing.final
+class LaunchClustersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchResult]:
+        """One per call, in the order asked."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___LaunchResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchClustersResponse: _TypeAlias = LaunchClustersResponse  # noqa: Y015
+
+@_typing.final
+class LaunchResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    REGIONS_TRIED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def response(self) -> Global___LaunchResponse: ...
+    @_builtins.property
+    def error(self) -> Global___CallError:
+        """What the call alone would have failed with."""
+
+    @_builtins.property
+    def regions_tried(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """With a RESOURCE_EXHAUSTED error: every region tried, in order (a lone Launch
+        carries them in its ErrorInfo metadata).
+        """
+
+    def __init__(
+        self,
+        *,
+        response: Global___LaunchResponse | None = ...,
+        error: Global___CallError | None = ...,
+        regions_tried: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "outcome", b"outcome", "regions_tried", b"regions_tried", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["response", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___LaunchResult: _TypeAlias = LaunchResult  # noqa: Y015
+
+@_typing.final
 class Cluster(_message.Message):
     """One cluster the cloud launched: also the inventory record."""
 

@@ -51,6 +51,11 @@ class SimCloudServiceStub:
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchRequest.SerializeToString,
                 response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchResponse.FromString,
                 _registered_method=True)
+        self.LaunchClusters = channel.unary_unary(
+                '/managedjobs.simcloud.v1.SimCloudService/LaunchClusters',
+                request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchClustersRequest.SerializeToString,
+                response_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchClustersResponse.FromString,
+                _registered_method=True)
         self.GetCluster = channel.unary_unary(
                 '/managedjobs.simcloud.v1.SimCloudService/GetCluster',
                 request_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClusterRequest.SerializeToString,
@@ -117,6 +122,18 @@ class SimCloudServiceServicer:
         """Provisions a cluster and starts its task; returns once the cluster is UP.
         INVALID_ARGUMENT or FAILED_PRECONDITION: the request can never launch (precheck);
         RESOURCE_EXHAUSTED: no capacity now, with ErrorInfo metadata `regions_tried`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LaunchClusters(self, request, context):
+        """Many Launch calls in one (1-1000), each judged and answered on its own, as it
+        would be alone: an item that fails (a precheck, a stale epoch, no capacity)
+        carries its error in its result and fails nothing else. Answers once every item is
+        UP or failed, so callers batch launches made at the same moment. Too few or too
+        many items fail the whole call (INVALID_ARGUMENT, nothing done), as does an
+        outage; a call cancelled before its answer rolls back every launch it made.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -208,6 +225,11 @@ def add_SimCloudServiceServicer_to_server(servicer, server):
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchRequest.FromString,
                     response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchResponse.SerializeToString,
             ),
+            'LaunchClusters': grpc.unary_unary_rpc_method_handler(
+                    servicer.LaunchClusters,
+                    request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchClustersRequest.FromString,
+                    response_serializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchClustersResponse.SerializeToString,
+            ),
             'GetCluster': grpc.unary_unary_rpc_method_handler(
                     servicer.GetCluster,
                     request_deserializer=managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.GetClusterRequest.FromString,
@@ -293,6 +315,33 @@ class SimCloudService:
             '/managedjobs.simcloud.v1.SimCloudService/Launch',
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchRequest.SerializeToString,
             managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LaunchClusters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/managedjobs.simcloud.v1.SimCloudService/LaunchClusters',
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchClustersRequest.SerializeToString,
+            managedjobs_dot_simcloud_dot_v1_dot_simcloud__service__pb2.LaunchClustersResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -50,6 +50,14 @@ class SimCloudServiceStub:
     INVALID_ARGUMENT or FAILED_PRECONDITION: the request can never launch (precheck);
     RESOURCE_EXHAUSTED: no capacity now, with ErrorInfo metadata `regions_tried`.
     """
+    LaunchClusters: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.LaunchClustersRequest, _simcloud_service_pb2.LaunchClustersResponse]
+    """Many Launch calls in one (1-1000), each judged and answered on its own, as it
+    would be alone: an item that fails (a precheck, a stale epoch, no capacity)
+    carries its error in its result and fails nothing else. Answers once every item is
+    UP or failed, so callers batch launches made at the same moment. Too few or too
+    many items fail the whole call (INVALID_ARGUMENT, nothing done), as does an
+    outage; a call cancelled before its answer rolls back every launch it made.
+    """
     GetCluster: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClusterRequest, _simcloud_service_pb2.GetClusterResponse]
     """The latest cluster of a name (terminated ones included); NOT_FOUND if never launched."""
     GetClusters: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClustersRequest, _simcloud_service_pb2.GetClustersResponse]
@@ -111,6 +119,14 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
     """Provisions a cluster and starts its task; returns once the cluster is UP.
     INVALID_ARGUMENT or FAILED_PRECONDITION: the request can never launch (precheck);
     RESOURCE_EXHAUSTED: no capacity now, with ErrorInfo metadata `regions_tried`.
+    """
+    LaunchClusters: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.LaunchClustersRequest, _simcloud_service_pb2.LaunchClustersResponse]  # type: ignore[assignment]
+    """Many Launch calls in one (1-1000), each judged and answered on its own, as it
+    would be alone: an item that fails (a precheck, a stale epoch, no capacity)
+    carries its error in its result and fails nothing else. Answers once every item is
+    UP or failed, so callers batch launches made at the same moment. Too few or too
+    many items fail the whole call (INVALID_ARGUMENT, nothing done), as does an
+    outage; a call cancelled before its answer rolls back every launch it made.
     """
     GetCluster: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.GetClusterRequest, _simcloud_service_pb2.GetClusterResponse]  # type: ignore[assignment]
     """The latest cluster of a name (terminated ones included); NOT_FOUND if never launched."""
@@ -176,6 +192,20 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
         """Provisions a cluster and starts its task; returns once the cluster is UP.
         INVALID_ARGUMENT or FAILED_PRECONDITION: the request can never launch (precheck);
         RESOURCE_EXHAUSTED: no capacity now, with ErrorInfo metadata `regions_tried`.
+        """
+
+    @_abc_1.abstractmethod
+    def LaunchClusters(
+        self,
+        request: _simcloud_service_pb2.LaunchClustersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_simcloud_service_pb2.LaunchClustersResponse, _abc.Awaitable[_simcloud_service_pb2.LaunchClustersResponse]]:
+        """Many Launch calls in one (1-1000), each judged and answered on its own, as it
+        would be alone: an item that fails (a precheck, a stale epoch, no capacity)
+        carries its error in its result and fails nothing else. Answers once every item is
+        UP or failed, so callers batch launches made at the same moment. Too few or too
+        many items fail the whole call (INVALID_ARGUMENT, nothing done), as does an
+        outage; a call cancelled before its answer rolls back every launch it made.
         """
 
     @_abc_1.abstractmethod
