@@ -229,6 +229,24 @@ async def test_a_batch_over_many_jobs_asks_the_scheduler_once(system: System) ->
     assert jobs.questions == asked + 1  # one ListJobs for the 300 jobs, no GetJob each
 
 
+async def test_a_batch_of_fetches_over_many_jobs_asks_the_scheduler_once(system: System) -> None:
+    jobs = system.scheduler
+    for job_id in range(10, 110):
+        jobs.add(job_id, controller_id="controller-1", epoch=1)
+    asked = jobs.questions
+    fetches = [
+        log_service_pb2.FetchTaskLogsRequest(
+            job_id=j, task_id=0, cluster_name=f"mj-{j}-0", attempt=1, epoch=1
+        )
+        for j in range(10, 110)
+    ]
+    reply = await system.stub.BatchFetchTaskLogs(
+        log_service_pb2.BatchFetchTaskLogsRequest(fetches=fetches)
+    )
+    assert [r.code for r in reply.results] == [""] * 100
+    assert jobs.questions == asked + 1  # one ListJobs for the 100 jobs, no GetJob each
+
+
 async def test_a_user_cannot_call_the_replicas_rpcs(tmp_path: Path, ids: Identities) -> None:
     async with running_system(tmp_path, MemoryBackend(), ids, "user") as running:
         running.scheduler.add(1, controller_id="controller-1", epoch=3)

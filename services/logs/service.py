@@ -185,6 +185,8 @@ class LogServicer(log_service_pb2_grpc.LogServiceServicer):
             raise InvalidArgument(
                 f"fetches: 1 to {MAX_FETCH_BATCH} fetches, got {len(fetches)}", field="fetches"
             )
+        # Who holds the batch's jobs, asked in one call rather than one per fetch.
+        await self._holders.prefetch(fetch.job_id for fetch in fetches)
         reply = log_service_pb2.BatchFetchTaskLogsResponse()
         for outcome in await each_alone(self._fetch(fetch) for fetch in fetches):
             result = reply.results.add()
