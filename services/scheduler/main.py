@@ -233,6 +233,9 @@ class SchedulerApp:
         await self.replicas.close()
         await self.deadlines.stop()
         await self.admission.stop()
+        if self.store.analyzing is not None:
+            self.store.analyzing.cancel()
+            await asyncio.gather(self.store.analyzing, return_exceptions=True)
         await self.db.close()
 
 

@@ -23,10 +23,12 @@ use this module's transactions and helpers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import functools
 import json
+import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
@@ -62,9 +64,19 @@ from services.scheduler.models import (
 from services.scheduler.rows import Tracked, write_back
 from services.scheduler.spec import resources_summary
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 # Ids per `IN (...)` list (see `chunked`).
 IN_CHUNK = 1000
+# PostgreSQL plans by the statistics ANALYZE gathers. A table that grew since they were
+# gathered is planned as if it were still small: a batch's idempotency keys were looked
+# up by reading every job of the user (seconds per batch at 100,000 jobs). Autovacuum
+# gathers them when it runs, if it runs; the store also does after the first
+# ANALYZE_FIRST jobs it inserts, then each time that count grew ANALYZE_GROWTH times.
+ANALYZE_FIRST = 1000
+ANALYZE_GROWTH = 4
+ANALYZE = "ANALYZE jobs, tasks, attempts, events"
 
 S = JobStatus
 St = ScheduleState
@@ -346,6 +358,10 @@ class Store:
         # For reconciling counters at a quiet moment: writes under way, and started.
         self.writes_in_flight = 0
         self.writes_started = 0
+        # PostgreSQL: jobs inserted by this store, and when statistics are next gathered.
+        self._inserted = 0
+        self._analyze_at = ANALYZE_FIRST
+        self.analyzing: asyncio.Task[None] | None = None
 
     # --- the one door in ------------------------------------------------------------------
 
@@ -446,11 +462,33 @@ class Store:
                     txn.event(int(job_id), 0, S.PENDING, state, SUBMITTED)
                     txn.moves.append(Move(int(job_id), None, None, 0, St.INACTIVE, state))
                     answers[i] = (int(job_id), True)
+        self._grew(sum(1 for answer in answers if answer is not None and answer[1]))
         for index, first in repeats:
             first_answer = answers[first]
             assert first_answer is not None
             answers[index] = (first_answer[0], False)
         return [a for a in answers if a is not None]
+
+    def _grew(self, inserted: int) -> None:
+        """Counts inserted jobs; on PostgreSQL, gathers statistics when they grew enough."""
+        self._inserted += inserted
+        if self.db.is_sqlite or self._inserted < self._analyze_at:
+            return
+        if self.analyzing is not None and not self.analyzing.done():
+            return
+        self._analyze_at = self._inserted * ANALYZE_GROWTH
+        self.analyzing = asyncio.create_task(self._analyze(), name="analyze")
+
+    async def _analyze(self) -> None:
+        # Outside the write turns: ANALYZE blocks no insert or update.
+        try:
+            async with self.db.write_engine.connect() as conn:
+                await conn.exec_driver_sql(ANALYZE)
+                await conn.commit()
+        except (SQLAlchemyError, OSError) as error:
+            log.warning("gathering table statistics failed", extra={"error": str(error)})
+            return
+        log.info("table statistics gathered", extra={"jobs_inserted": self._inserted})
 
     # --- queries --------------------------------------------------------------------------
 
