@@ -37,9 +37,9 @@ Launches asked for at once go as one LaunchClusters call (`launches`), stops and
 teardowns as one TerminateClusters call per grace (`terminations`), each item
 answered, and failed, on its own; log reads asked for at once go as one GetLogs
 call (`log_reads`). A batched launch whose caller gives up (a cancel, a drain) is
-torn down at once, and again should its batch still bring it UP, as the cloud rolls
-back a lone Launch cancelled mid-way; closing the backend cancels its batches in
-flight, which the cloud rolls back.
+torn down before the caller goes on, and again should its batch still bring it UP,
+as the cloud rolls back a lone Launch cancelled mid-way; closing the backend cancels
+its batches in flight, which the cloud rolls back.
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
 ended has nothing to tell and the call returns quietly.
@@ -306,8 +306,9 @@ class SimBackend(Backend):
                 reply = await self.launches.call(None, call)
             except asyncio.CancelledError:
                 # The cloud rolls back a lone Launch whose caller gives up; a batch goes on,
-                # and may have started this one.
-                self._abandon(call)
+                # and may have started this one: it is torn down before the caller goes on
+                # (to its own cleanup, which may not know of this cluster).
+                await asyncio.shield(self._abandon(call))
                 raise
         cluster = reply.cluster
         return ClusterHandle(
@@ -330,13 +331,14 @@ class SimBackend(Backend):
             raise backend_error(exc) from exc
         return [_launch_outcome(result) for result in reply.results]
 
-    def _abandon(self, call: pb.LaunchRequest) -> None:
+    def _abandon(self, call: pb.LaunchRequest) -> asyncio.Task[None]:
         """Tears down what a launch its caller gave up on may have started: nobody else
         would ever end it. (Terminated while provisioning, it fails in its batch.)"""
         handle = ClusterHandle(call.cluster_name, self.name)
         task = asyncio.create_task(self._tear_down(handle, call.epoch), name="abandoned-launch")
         self._teardowns.add(task)
         task.add_done_callback(self._teardowns.discard)
+        return task
 
     async def _tear_down(self, handle: ClusterHandle, epoch: int) -> None:
         try:

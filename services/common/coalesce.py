@@ -36,7 +36,7 @@ IN_FLIGHT = 4
 # exception it raised. An exception raised by the send itself fails every item.
 Send = Callable[[K, list[T]], Awaitable[list[R | BaseException]]]
 # Told of an item that succeeded after its caller had given up: (item, its result).
-Abandoned = Callable[[T, R], None]
+Abandoned = Callable[[T, R], object]
 
 
 class Coalescer(Generic[K, T, R]):
