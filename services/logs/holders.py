@@ -112,12 +112,10 @@ class Holders:
         """Asks the scheduler, in one go, about those of `job_ids` the cache has no fresh
         answer for, so that checking each of a batch's claims alone asks nothing more.
         An unreachable scheduler is left for each check to meet on its own."""
-        now = self._clock()
         stale = [
             job_id
             for job_id in dict.fromkeys(job_ids)
-            if job_id > 0
-            and ((known := self._known.get(job_id)) is None or now - known.seen >= self._ttl)
+            if job_id > 0 and not self._fresh(self._known.get(job_id))
         ]
         if stale:
             with contextlib.suppress(Unavailable):
@@ -161,12 +159,15 @@ class Holders:
         if known is None:
             return None
         self._known.move_to_end(job_id)
-        fresh = self._clock() - known.seen < self._ttl
-        if fresh and self._judge(principal, job_id, epoch, known) is None:
+        if self._fresh(known) and self._judge(principal, job_id, epoch, known) is None:
             return known
         if _claims(principal) and known.epoch > epoch:
             return not_held(job_id, epoch, known)
         return None
+
+    def _fresh(self, known: Holding | None) -> bool:
+        """An answer younger than the cache's life."""
+        return known is not None and self._clock() - known.seen < self._ttl
 
     def _judge(
         self, principal: Principal, job_id: int, epoch: int, holding: Holding

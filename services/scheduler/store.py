@@ -462,7 +462,7 @@ class Store:
                     txn.event(int(job_id), 0, S.PENDING, state, SUBMITTED)
                     txn.moves.append(Move(int(job_id), None, None, 0, St.INACTIVE, state))
                     answers[i] = (int(job_id), True)
-        self._grew(sum(1 for answer in answers if answer is not None and answer[1]))
+        self._grew(len(fresh))
         for index, first in repeats:
             first_answer = answers[first]
             assert first_answer is not None
