@@ -13,7 +13,10 @@ each assignment arrives), then measures:
   submitting one job at a time with spare capacity.
 Prints one JSON line per database and mode, the secured modes with their
 throughput relative to `none` (`cost_vs_none`, SPEC §14: under 10%). Targets
-(SPEC §15): >= 2,000/s, p99 <= 50 ms.
+(SPEC §15): >= 2,000/s, p99 <= 50 ms. With single calls each line also gives
+the floor gRPC itself sets on this machine (`empty_handler_floor`): the same
+callers against a server whose `SubmitJob` answers at once, with no
+authentication and no database, and that server's CPU per call.
 
     .venv/bin/python bench/admission.py [--jobs 5000] [--latency-jobs 300] [--postgres URL]
         [--only sqlite|postgres] [--modes none,tokens,tls] [--batch 1]
@@ -25,6 +28,7 @@ import argparse
 import asyncio
 import functools
 import json
+import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -32,7 +36,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import grpc
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -100,6 +106,78 @@ class BenchReplica:
                             self.reached.set()
 
 
+def request(i: int) -> jpb.SubmitJobRequest:
+    return jpb.SubmitJobRequest(spec_yaml=SPEC, user="bench", idempotency_key=f"k{i}")
+
+
+async def submit_all(
+    stub: job_service_pb2_grpc.JobServiceStub, jobs: int, concurrency: int, batch: int
+) -> float:
+    """Submits `jobs` jobs from `concurrency` callers, one per SubmitJob (`batch` 1) or
+    `batch` per SubmitJobs; the seconds it took."""
+    counter = iter(range(0, jobs, batch))
+
+    async def submitter() -> None:
+        for first in counter:
+            if batch == 1:
+                await stub.SubmitJob(request(first))
+            else:
+                last = min(first + batch, jobs)
+                await stub.SubmitJobs(
+                    jpb.SubmitJobsRequest(jobs=[request(i) for i in range(first, last)])
+                )
+
+    start = time.perf_counter()
+    await asyncio.gather(*(submitter() for _ in range(concurrency)))
+    return time.perf_counter() - start
+
+
+class EmptyJobService(job_service_pb2_grpc.JobServiceServicer):
+    """Answers every SubmitJob at once: what a call costs before any work."""
+
+    async def SubmitJob(
+        self, request: jpb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> jpb.SubmitJobResponse:
+        return jpb.SubmitJobResponse(job_id=1)
+
+
+def serve_empty(port: int) -> None:
+    async def serve() -> None:
+        server = grpc.aio.server()
+        job_service_pb2_grpc.add_JobServiceServicer_to_server(EmptyJobService(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def empty_handler_floor(jobs: int, concurrency: int) -> dict[str, float]:
+    """Single SubmitJob calls per second from the benchmark's callers against
+    `EmptyJobService` in its own process, and that process's CPU per call."""
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(target=serve_empty, args=(port,))
+    server.start()
+    try:
+
+        async def run() -> tuple[float, float]:
+            async with open_channel(f"127.0.0.1:{port}", ClientSecurity()) as channel:
+                await asyncio.wait_for(channel.channel_ready(), 30)
+                stub = job_service_pb2_grpc.JobServiceStub(channel)
+                cpu_before = cpu_seconds(psutil.Process(server.pid))
+                seconds = await submit_all(stub, jobs, concurrency, 1)
+                return seconds, cpu_seconds(psutil.Process(server.pid)) - cpu_before
+
+        seconds, cpu = asyncio.run(run())
+    finally:
+        server.kill()
+        server.join()
+    return {
+        "calls_per_s": round(jobs / seconds, 1),
+        "server_cpu_ms_per_call": round(cpu / jobs * 1000, 3),
+    }
+
+
 async def measure(
     address: str,
     tokens: dict[str, ClientSecurity],
@@ -129,27 +207,11 @@ async def measure(
                 granted = await asyncio.wait_for(future, 10)
             latencies.append((granted - start) * 1000)
         # Throughput: concurrent submitters, one job per SubmitJob or `batch` per SubmitJobs.
-        counter = iter(range(0, jobs, batch))
-
-        def request(i: int) -> jpb.SubmitJobRequest:
-            return jpb.SubmitJobRequest(spec_yaml=SPEC, user="bench", idempotency_key=f"k{i}")
-
-        async def submitter() -> None:
-            for first in counter:
-                if batch == 1:
-                    await stub.SubmitJob(request(first))
-                else:
-                    last = min(first + batch, jobs)
-                    await stub.SubmitJobs(
-                        jpb.SubmitJobsRequest(jobs=[request(i) for i in range(first, last)])
-                    )
-
         before = len(replica.assigned)
         replica.target = before + jobs
         cpu_before = cpu_seconds()
-        start = time.perf_counter()
-        await asyncio.gather(*(submitter() for _ in range(concurrency)))
-        submit_seconds = time.perf_counter() - start
+        submit_seconds = await submit_all(stub, jobs, concurrency, batch)
+        start = time.perf_counter() - submit_seconds
         await asyncio.wait_for(replica.reached.wait(), 120)
         all_seconds = time.perf_counter() - start
         cpu = cpu_seconds() - cpu_before
@@ -224,6 +286,9 @@ def main() -> None:
     parser.add_argument("--only", choices=["sqlite", "postgres"])
     parser.add_argument("--modes", default="none,tokens,tls", help="security modes, in order")
     args = parser.parse_args()
+    floor = {}
+    if args.batch == 1:
+        floor = {"empty_handler_floor": empty_handler_floor(args.jobs, args.concurrency)}
     for kind in ["sqlite", "postgres"]:
         if args.only and kind != args.only:
             continue
@@ -260,7 +325,7 @@ def main() -> None:
             elif baseline:
                 figures["cost_vs_none"] = round(1 - rate / baseline, 3)
             print(json.dumps({"bench": "admission", "database": kind, "security": mode,
-                              "jobs": args.jobs, "batch": args.batch, **figures,
+                              "jobs": args.jobs, "batch": args.batch, **figures, **floor,
                               "machine": machine()}),
                   flush=True)  # fmt: skip
 
