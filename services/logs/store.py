@@ -17,7 +17,11 @@ Invariants:
   never points past the end of the log it describes. Every file is synced to disk
   before it takes its place. Logs saved at once (many jobs ending together) are
   written in a few trips to worker threads: all their files first, then synced,
-  then put in place, so one journal commit serves many syncs.
+  then put in place. On Linux a trip of several logs is synced with one `syncfs`
+  of the logs' filesystem: an fsync per file cost ~0.7-1 ms of CPU each (each new
+  file in its job's new folder commits the journal again), one syncfs per trip
+  ~0.2 ms per file in all. (It also writes out whatever else on that filesystem
+  waits to be: give the logs a filesystem of their own where that matters.)
 - Attempts are kept in the order of their numbers, whatever order they were fetched
   in, and joined with `separator()`, exactly as a live follower joins the clusters
   it tails, so "byte N of this attempt's log" means the same thing live and in the
@@ -35,18 +39,23 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import dataclasses
 import json
 import os
+import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from services.backends.base import cluster_name
 from services.common.coalesce import Coalescer
 
 CHUNK_BYTES = 64 * 1024
+# Logs in one trip from which the trip syncs the filesystem once instead of each file.
+SYNC_AT_ONCE = 4
+APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT  # (not inherited: PEP 446)
 # Controller logs kept open for appending, most recently written last: a job's lines
 # come in bursts (launch, running, end), and opening a file costs a path lookup.
 OPEN_APPENDERS = 256
@@ -133,7 +142,9 @@ class LogStore:
         self._locks: weakref.WeakValueDictionary[tuple[int, int], asyncio.Lock] = (
             weakref.WeakValueDictionary()
         )
-        self._appenders: collections.OrderedDict[int, BinaryIO] = collections.OrderedDict()
+        # Open file descriptors of controller logs, by job.
+        self._appenders: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._root = str(root)
         # Task logs saved at once are written in trips of up to 64 to worker threads (four
         # at a time): a thread hop per log costs more than the write.
         self._writes: Coalescer[None, _Write, None] = Coalescer(self._write, max_batch=64)
@@ -166,33 +177,35 @@ class LogStore:
         data = "".join(line if line.endswith("\n") else line + "\n" for line in lines).encode()
         if not data:
             return 0
-        # One small synchronous, unbuffered write keeps concurrent appends in arrival
+        # One small synchronous write (O_APPEND) keeps concurrent appends in arrival
         # order and visible to readers at once.
-        self._appender(job_id).write(data)
+        _write_fully(self._appender(job_id), data)
         self._notify(job_id)
         return len(data)
 
-    def _appender(self, job_id: int) -> BinaryIO:
-        """The job's controller log, open for appending (the job's folder made if missing)."""
-        file = self._appenders.pop(job_id, None)
-        if file is None:
-            path = self.controller_path(job_id)
+    def _appender(self, job_id: int) -> int:
+        """The job's controller log, open for appending (the job's folder made if missing).
+        Plain descriptors and string paths: a pathlib path and file object per open cost
+        three times the open itself."""
+        fd = self._appenders.pop(job_id, None)
+        if fd is None:
+            folder = f"{self._root}/{job_id}"
             try:
-                file = path.open("ab", buffering=0)
+                fd = os.open(f"{folder}/controller.log", APPEND_FLAGS, 0o666)
             except FileNotFoundError:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                file = path.open("ab", buffering=0)
+                os.makedirs(folder, exist_ok=True)
+                fd = os.open(f"{folder}/controller.log", APPEND_FLAGS, 0o666)
             if len(self._appenders) >= OPEN_APPENDERS:
                 _, oldest = self._appenders.popitem(last=False)
-                oldest.close()
-        self._appenders[job_id] = file
-        return file
+                os.close(oldest)
+        self._appenders[job_id] = fd
+        return fd
 
     def close(self) -> None:
         """Closes the controller logs kept open."""
         while self._appenders:
-            _, file = self._appenders.popitem()
-            file.close()
+            _, fd = self._appenders.popitem()
+            os.close(fd)
 
     def task_log(self, job_id: int, task_id: int) -> TaskLog | None:
         """The stored log of a task, or None when nothing was fetched yet."""
@@ -232,10 +245,20 @@ class LogStore:
         """Writes each task log atomically (log before index), every file durable before
         any replaces its old copy; a failure fails only its own log.
 
-        All files are written first and synced after: one journal commit then serves many
-        fsyncs. Temporary names are fixed (`<name>.tmp`): a task's log is written under
-        its lock, one writer at a time.
+        All files are written first and synced after, with one syncfs where it can be.
+        Temporary names are fixed (`<name>.tmp`): a task's log is written under its
+        lock, one writer at a time.
         """
+        filesystem = _filesystem_of(self._root) if len(writes) >= SYNC_AT_ONCE else None
+        try:
+            return self._write_and_sync(writes, filesystem)
+        finally:
+            if filesystem is not None:
+                os.close(filesystem)
+
+    def _write_and_sync(
+        self, writes: list[_Write], filesystem: int | None
+    ) -> list[BaseException | None]:
         outcomes: list[BaseException | None] = [None] * len(writes)
         staged: list[tuple[int, list[_File]]] = []
         for number, (job_id, task_id, section, data) in enumerate(writes):
@@ -250,10 +273,12 @@ class LogStore:
             except Exception as error:  # a file or an index that cannot be read or written
                 outcomes[number] = error
                 _discard(files)
+        synced = filesystem is not None and _syncfs is not None and _syncfs(filesystem) == 0
         for number, files in staged:
             try:
-                for path, _ in files:
-                    _fsync(_temp(path))
+                if not synced:
+                    for path, _ in files:
+                        _fsync(_temp(path))
                 for path, _ in files:
                     os.replace(_temp(path), path)
             except OSError as error:
@@ -359,8 +384,42 @@ def _files(current: TaskLog | None, path: Path, new: Section, data: bytes) -> li
     return [(path, bytes(content)), (_index_path(path), index_json.encode())]
 
 
+def _write_fully(fd: int, data: bytes) -> None:
+    """Writes all of `data` (a write may take part of it)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
 def _temp(path: Path) -> Path:
     return path.with_name(path.name + ".tmp")
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    """Linux's syncfs(2) from the C library, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    syncfs.argtypes = [ctypes.c_int]
+    syncfs.restype = ctypes.c_int
+    return syncfs
+
+
+_syncfs = _load_syncfs()
+
+
+def _filesystem_of(path: str) -> int | None:
+    """A descriptor to syncfs the filesystem holding `path` by, or None where there is no
+    syncfs. Open it before writing: syncfs reports the write-back errors since then."""
+    if _syncfs is None:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
 
 
 def _fsync(path: Path) -> None:
