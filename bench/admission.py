@@ -210,8 +210,8 @@ async def measure(
         before = len(replica.assigned)
         replica.target = before + jobs
         cpu_before = cpu_seconds()
+        start = time.perf_counter()
         submit_seconds = await submit_all(stub, jobs, concurrency, batch)
-        start = time.perf_counter() - submit_seconds
         await asyncio.wait_for(replica.reached.wait(), 120)
         all_seconds = time.perf_counter() - start
         cpu = cpu_seconds() - cpu_before

@@ -74,7 +74,6 @@ class Syncs:
     """Records the syncs a store makes (each before any log took its place) and does them."""
 
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch, syncfs_answer: int = 0):
-        self.root = root
         self.filesystems = 0
         self.files: list[Path] = []
         real_fsync = store_module._fsync

@@ -53,6 +53,7 @@ from services.backends.base import cluster_name
 from services.common.coalesce import Coalescer
 
 CHUNK_BYTES = 64 * 1024
+CONTROLLER_LOG = "controller.log"  # in the job's folder
 # Logs in one trip from which the trip syncs the filesystem once instead of each file.
 SYNC_AT_ONCE = 4
 APPEND_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT  # (not inherited: PEP 446)
@@ -153,7 +154,7 @@ class LogStore:
         return self.root / str(job_id) / f"task-{task_id}.log"
 
     def controller_path(self, job_id: int) -> Path:
-        return self.root / str(job_id) / "controller.log"
+        return self.root / str(job_id) / CONTROLLER_LOG
 
     def changed(self, job_id: int) -> asyncio.Event:
         """An event set by the next write of any of the job's logs.
@@ -190,11 +191,12 @@ class LogStore:
         fd = self._appenders.pop(job_id, None)
         if fd is None:
             folder = f"{self._root}/{job_id}"
+            path = f"{folder}/{CONTROLLER_LOG}"
             try:
-                fd = os.open(f"{folder}/controller.log", APPEND_FLAGS, 0o666)
+                fd = os.open(path, APPEND_FLAGS, 0o666)
             except FileNotFoundError:
                 os.makedirs(folder, exist_ok=True)
-                fd = os.open(f"{folder}/controller.log", APPEND_FLAGS, 0o666)
+                fd = os.open(path, APPEND_FLAGS, 0o666)
             if len(self._appenders) >= OPEN_APPENDERS:
                 _, oldest = self._appenders.popitem(last=False)
                 os.close(oldest)
