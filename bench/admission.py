@@ -43,7 +43,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machine import machine
+from machine import machine, probe_filesystem
 from system import cpu_seconds, postgres_database
 
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -295,6 +295,7 @@ def main() -> None:
         baseline = 0.0
         for mode in args.modes.split(","):
             with tempfile.TemporaryDirectory() as data_dir:
+                probe_filesystem(Path(data_dir))
                 if kind == "sqlite":
                     url = f"sqlite:///{data_dir}/bench.db"
                 else:

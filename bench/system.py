@@ -16,6 +16,7 @@ from pathlib import Path
 
 import grpc
 import psutil
+from machine import probe_filesystem
 
 from services.common.channels import open_channel
 from services.stack import Stack
@@ -44,6 +45,7 @@ def running_system(
     controller_args: Sequence[str] = (),
     tls: bool = False,
 ) -> Iterator[Stack]:
+    probe_filesystem(data_dir)
     config = data_dir / "simcloud.yaml"
     config.write_text(CLOUD)
     stack = Stack(
