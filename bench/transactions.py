@@ -1,0 +1,94 @@
+"""What a transaction costs the scheduler before it does anything: the store's fixed price.
+
+Opens the scheduler's `Database` on a SQLite file of its own (migrated, as the
+scheduler runs it) and times, in one process, transactions that run a single
+`SELECT 1`, the best of several rounds, in CPU microseconds per transaction:
+- `urgent_write`: a client's write (`db.write(urgent=True)`: the writer's turn,
+  then BEGIN IMMEDIATE ... COMMIT on the event loop's thread);
+- `background_write`: a background write (`db.write()`: the same on the worker
+  thread, one trip per statement);
+- `read`: a read (`db.read()`, on the event loop's thread);
+- `sqlite3_write`: BEGIN IMMEDIATE, the SELECT and COMMIT straight through the
+  `sqlite3` module on the same file: SQLite's own share.
+A sequential client's job takes about 2.2 write transactions (`bench/latency.py`);
+this is what each costs before its statements' own work. Prints one JSON line.
+
+    .venv/bin/python bench/transactions.py [--number 2000] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from machine import machine, probe_filesystem
+from sqlalchemy import text
+
+from services.scheduler.db import Database
+
+SELECT = text("SELECT 1")
+
+
+async def best_cpu_us(once: Callable[[], Awaitable[None]], number: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.process_time()
+        for _ in range(number):
+            await once()
+        best = min(best, (time.process_time() - start) / number)
+    return round(best * 1e6, 1)
+
+
+async def measure(folder: Path, number: int, rounds: int) -> dict[str, float]:
+    db = Database.open(f"sqlite:///{folder}/bench.db")
+    await db.migrate()
+
+    async def write(urgent: bool) -> None:
+        async with db.write(urgent) as session:
+            await session.execute(SELECT)
+
+    async def read() -> None:
+        async with db.read() as session:
+            await session.execute(SELECT)
+
+    raw = sqlite3.connect(folder / "bench.db", isolation_level=None)
+
+    async def sqlite3_write() -> None:
+        raw.execute("BEGIN IMMEDIATE")
+        raw.execute("SELECT 1").fetchall()
+        raw.execute("COMMIT")
+
+    try:
+        return {
+            "urgent_write_cpu_us": await best_cpu_us(lambda: write(True), number, rounds),
+            "background_write_cpu_us": await best_cpu_us(lambda: write(False), number, rounds),
+            "read_cpu_us": await best_cpu_us(read, number, rounds),
+            "sqlite3_write_cpu_us": await best_cpu_us(sqlite3_write, number, rounds),
+        }
+    finally:
+        raw.close()
+        await db.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--number", type=int, default=2000, help="transactions per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        probe_filesystem(Path(tmp))
+        figures = asyncio.run(measure(Path(tmp), args.number, args.rounds))
+    print(json.dumps({"bench": "transactions", **figures, "machine": machine()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
