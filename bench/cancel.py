@@ -20,19 +20,14 @@ CANCELLED (stop, logs kept, teardown, report).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil
-from machine import machine
-from system import LONG_SPEC, channel, cpu_seconds, processes, running_system, summary
+from system import LONG_SPEC, CpuMeter, JobEvents, channel, run_jobs_bench, summary
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -43,29 +38,19 @@ SPEC = LONG_SPEC + "grace_period: 0.01\n"
 RUNNING, CANCELLED = job_pb2.JOB_STATUS_RUNNING, job_pb2.JOB_STATUS_CANCELLED
 
 
-class Events:
-    """Every job's RUNNING and CANCELLED times, from one watch of the whole system."""
+class Events(JobEvents):
+    """Every job's first RUNNING and CANCELLED times."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.running: dict[int, float] = {}
         self.cancelled: dict[int, float] = {}
-        self.changed = asyncio.Event()
 
-    async def follow(self, stub: job_service_pb2_grpc.JobServiceStub) -> None:
-        async for response in stub.WatchJobs(jpb.WatchJobsRequest(batched=True)):
-            now = time.time()
-            for event in response.events:
-                if event.status == RUNNING:
-                    self.running.setdefault(event.job_id, now)
-                elif event.status == CANCELLED:
-                    self.cancelled.setdefault(event.job_id, now)
-            self.changed.set()
-
-    async def until(self, done: dict[int, float], ids: set[int], timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while not ids <= done.keys():
-            self.changed.clear()
-            await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
+    def record(self, event: job_pb2.JobEvent, at: float) -> None:
+        if event.status == RUNNING:
+            self.running.setdefault(event.job_id, at)
+        elif event.status == CANCELLED:
+            self.cancelled.setdefault(event.job_id, at)
 
 
 async def measure(stack: Stack, jobs: int) -> dict[str, object]:
@@ -83,7 +68,7 @@ async def measure(stack: Stack, jobs: int) -> dict[str, object]:
             for first in range(0, count, 500):
                 batch = jpb.SubmitJobsRequest(jobs=request.jobs[first : first + 500])
                 ids += list((await stub.SubmitJobs(batch)).job_ids)
-            await events.until(events.running, set(ids), 300)
+            await events.until(lambda: set(ids) <= events.running.keys(), 300)
             return ids
 
         one_by_one = await start(jobs)
@@ -92,7 +77,7 @@ async def measure(stack: Stack, jobs: int) -> dict[str, object]:
             sent = time.time()
             await stub.CancelJobs(jpb.CancelJobsRequest(job_ids=[job_id]))
             rpc.append((time.time() - sent) * 1000)
-            await events.until(events.cancelled, {job_id}, 60)
+            await events.until(lambda j=job_id: j in events.cancelled, 60)
             effect.append((events.cancelled[job_id] - sent) * 1000)
         figures["one_by_one"] = {
             "cancel_rpc": summary(rpc, "ms"),
@@ -101,34 +86,24 @@ async def measure(stack: Stack, jobs: int) -> dict[str, object]:
 
         all_at_once = await start(jobs)
         owner = (await stub.GetJob(jpb.GetJobRequest(job_id=all_at_once[0]))).job.user
-        procs = {**processes(stack), "bench": psutil.Process()}
-        before = {name: cpu_seconds(p) for name, p in procs.items()}
+        meter = CpuMeter(stack, bench=True)
         sent = time.time()
         reply = await stub.CancelJobs(jpb.CancelJobsRequest(all=True, user=owner))
         rpc_ms = (time.time() - sent) * 1000
-        await events.until(events.cancelled, set(all_at_once), 300)
-        cpu = {
-            name: round((cpu_seconds(p) - before[name]) * 1000 / len(all_at_once), 2)
-            for name, p in procs.items()
-        }
+        await events.until(lambda: set(all_at_once) <= events.cancelled.keys(), 300)
         effect = [(events.cancelled[j] - sent) * 1000 for j in all_at_once]
         figures["all_at_once"] = {
             "cancelled": len(reply.cancelled_job_ids),
             "cancel_rpc_ms": round(rpc_ms, 1),
             "to_cancelled": summary(effect, "ms"),
-            "cpu_ms_per_cancel": cpu,
+            "cpu_ms_per_cancel": meter.ms_per(len(all_at_once)),
         }
         watcher.cancel()
     return figures
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--jobs", type=int, default=1000)
-    args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp, running_system(Path(tmp)) as stack:
-        figures = asyncio.run(measure(stack, args.jobs))
-    print(json.dumps({"bench": "cancel", "jobs": args.jobs, **figures, "machine": machine()}))
+    run_jobs_bench("cancel", __doc__, measure, jobs=1000)
 
 
 if __name__ == "__main__":

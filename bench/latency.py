@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine
-from system import LONG_SPEC, channel, cpu_seconds, processes, running_system, summary
+from system import LONG_SPEC, CpuMeter, channel, running_system, summary
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -69,18 +69,14 @@ async def sequential(stack: Stack, jobs: int) -> dict[str, object]:
     the CPU each process spent per job meanwhile (every job is admitted, launched and
     reported RUNNING while the next ones are submitted)."""
     times = []
-    procs = processes(stack)
-    before = {name: cpu_seconds(p) for name, p in procs.items()}
+    meter = CpuMeter(stack)
     async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         for _ in range(jobs):
             start = time.perf_counter()
             await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
             times.append((time.perf_counter() - start) * 1000)
-    cpu = {
-        name: round((cpu_seconds(p) - before[name]) / jobs * 1000, 2) for name, p in procs.items()
-    }
-    return {**summary(times, "ms"), "cpu_ms_per_job": cpu}
+    return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs)}
 
 
 def main() -> None:

@@ -7,17 +7,23 @@ settings, and reach it the same way.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
+import json
 import statistics
+import tempfile
+import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
 import psutil
-from machine import probe_filesystem
+from machine import machine, probe_filesystem
 
+from managedjobs.v1 import job_pb2, job_service_pb2_grpc
+from managedjobs.v1 import job_service_pb2 as jpb
 from services.common.channels import open_channel
 from services.stack import Stack
 
@@ -64,6 +70,48 @@ def running_system(
         stack.stop()
 
 
+def run_jobs_bench(
+    bench: str,
+    description: str | None,
+    measure: Callable[[Stack, int], Awaitable[dict[str, object]]],
+    jobs: int,
+) -> None:
+    """A benchmark's `main`: `measure` over `--jobs` jobs (default `jobs`) on a system of
+    its own, then one JSON line of its figures and the machine."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--jobs", type=int, default=jobs)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, running_system(Path(tmp)) as stack:
+        figures = asyncio.run(measure(stack, args.jobs))
+    line = {"bench": bench, "jobs": args.jobs, **figures, "machine": machine()}
+    print(json.dumps(line), flush=True)
+
+
+class JobEvents:
+    """One batched watch of every job, as the CLI watches; `record` (a subclass's) keeps
+    what it needs of each event, with the time its response arrived."""
+
+    def __init__(self) -> None:
+        self.changed = asyncio.Event()
+
+    def record(self, event: job_pb2.JobEvent, at: float) -> None:
+        raise NotImplementedError
+
+    async def follow(self, stub: job_service_pb2_grpc.JobServiceStub) -> None:
+        async for response in stub.WatchJobs(jpb.WatchJobsRequest(batched=True)):
+            now = time.time()
+            for event in response.events:
+                self.record(event, now)
+            self.changed.set()
+
+    async def until(self, done: Callable[[], bool], timeout: float) -> None:
+        """Returns once `done()` holds; TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            self.changed.clear()
+            await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
+
+
 def channel(stack: Stack, address: str) -> grpc.aio.Channel:
     """An asyncio channel to a service of the system, as its admin (token, TLS if on)."""
     return open_channel(address, stack.client_security)
@@ -81,6 +129,24 @@ def memory(process: psutil.Process) -> dict[str, float]:
 def cpu_seconds(process: psutil.Process) -> float:
     times = process.cpu_times()
     return float(times.user + times.system)
+
+
+class CpuMeter:
+    """Counts the CPU every process of the system spends from now on (and, with
+    `bench=True`, this process's too, as "bench")."""
+
+    def __init__(self, stack: Stack, bench: bool = False) -> None:
+        self.processes = processes(stack)
+        if bench:
+            self.processes["bench"] = psutil.Process()
+        self.before = {name: cpu_seconds(p) for name, p in self.processes.items()}
+
+    def ms_per(self, count: int) -> dict[str, float]:
+        """Each process's milliseconds of CPU since the start, per one of `count` items."""
+        return {
+            name: round((cpu_seconds(p) - self.before[name]) * 1000 / count, 2)
+            for name, p in self.processes.items()
+        }
 
 
 def percentile(values: Sequence[float], fraction: float) -> float:
