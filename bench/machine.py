@@ -47,7 +47,7 @@ def python_loop_seconds(iterations: int = 3_000_000) -> float:
     return time.perf_counter() - start
 
 
-def probe_filesystem(data_dir: Path) -> dict[str, object]:
+def probe_filesystem(data_dir: Path) -> None:
     """Times creating empty files in a new folder of `data_dir` (left there: they go
     with it) and notes the filesystem's type and journal; `machine()` reports it."""
     folder = Path(data_dir) / ".probe"
@@ -58,7 +58,6 @@ def probe_filesystem(data_dir: Path) -> dict[str, object]:
     create_us = (time.perf_counter() - start) / PROBE_FILES * 1e6
     _filesystem.clear()
     _filesystem.update({**_kind(folder), "create_us": round(create_us, 1)})
-    return dict(_filesystem)
 
 
 def _kind(path: Path) -> dict[str, object]:

@@ -54,9 +54,9 @@ class Events(JobEvents):
         job_id = event.job_id
         if event.status == RUNNING:
             self.running[job_id] = at
-        elif event.status == RECOVERING and self.recovering.get(job_id, 0.0) < self.running.get(
-            job_id, 0.0
-        ):
+            return
+        first_since_running = self.recovering.get(job_id, 0.0) < self.running.get(job_id, 0.0)
+        if event.status == RECOVERING and first_since_running:
             self.recovering[job_id] = at
 
     def recovered(self, job_id: int, since: float) -> bool:
