@@ -11,9 +11,14 @@ scheduler runs it) and times, in one process, transactions that run a single
 - `sqlite3_write`: BEGIN IMMEDIATE, the SELECT and COMMIT straight through the
   `sqlite3` module on the same file: SQLite's own share.
 A sequential client's job takes about 2.2 write transactions (`bench/latency.py`);
-this is what each costs before its statements' own work. Prints one JSON line.
+this is what each costs before its statements' own work.
+Then `submission`: real submissions (`Store.submit`, a job of one task, as a
+client's `SubmitJob` stores it) one after another, their wall time p50/p99/max in
+ms, and how many checkpoints copied SQLite's log back meanwhile: every commit
+writes pages, so the log grows and is checkpointed every few hundred commits
+(`services/scheduler/sqlite_checkpoint.py`). Prints one JSON line.
 
-    .venv/bin/python bench/transactions.py [--number 2000] [--rounds 5]
+    .venv/bin/python bench/transactions.py [--number 2000] [--rounds 5] [--submissions 5000]
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ from machine import machine, probe_filesystem
 from sqlalchemy import text
 
 from services.scheduler.db import Database
+from services.scheduler.events import EventBus
+from services.scheduler.spec import parse_job_spec
+from services.scheduler.store import NewJob, Store
 
 SELECT = text("SELECT 1")
 
@@ -48,7 +56,27 @@ async def best_cpu_us(once: Callable[[], Awaitable[None]], number: int, rounds: 
     return round(best * 1e6, 1)
 
 
-async def measure(folder: Path, number: int, rounds: int) -> dict[str, float]:
+async def submissions(db: Database, number: int) -> dict[str, object]:
+    """`number` submissions one after another: wall time each, and checkpoints taken."""
+    store = Store(db, EventBus())
+    spec = parse_job_spec("name: bench\nrun: train\n")
+    job = NewJob(spec.name, "bench", 0, "", "", spec.tasks)
+    taken = db.checkpointer.taken if db.checkpointer else 0
+    times = []
+    for _ in range(number):
+        start = time.perf_counter()
+        await store.submit(job)
+        times.append((time.perf_counter() - start) * 1000)
+    times.sort()
+    return {
+        "p50_ms": round(times[len(times) // 2], 3),
+        "p99_ms": round(times[int(len(times) * 0.99)], 3),
+        "max_ms": round(times[-1], 3),
+        "checkpoints": (db.checkpointer.taken if db.checkpointer else 0) - taken,
+    }
+
+
+async def measure(folder: Path, number: int, rounds: int, submitted: int) -> dict[str, object]:
     db = Database.open(f"sqlite:///{folder}/bench.db")
     await db.migrate()
 
@@ -73,6 +101,7 @@ async def measure(folder: Path, number: int, rounds: int) -> dict[str, float]:
             "background_write_cpu_us": await best_cpu_us(lambda: write(False), number, rounds),
             "read_cpu_us": await best_cpu_us(read, number, rounds),
             "sqlite3_write_cpu_us": await best_cpu_us(sqlite3_write, number, rounds),
+            "submission": await submissions(db, submitted),
         }
     finally:
         raw.close()
@@ -83,10 +112,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--number", type=int, default=2000, help="transactions per round")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--submissions", type=int, default=5000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         probe_filesystem(Path(tmp))
-        figures = asyncio.run(measure(Path(tmp), args.number, args.rounds))
+        figures = asyncio.run(measure(Path(tmp), args.number, args.rounds, args.submissions))
     print(json.dumps({"bench": "transactions", **figures, "machine": machine()}), flush=True)
 
 

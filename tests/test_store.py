@@ -23,6 +23,7 @@ from services.scheduler.models import EventRow, JobRow, TaskRow
 from services.scheduler.outbox import Outbox
 from services.scheduler.reports import Refusal, Reports
 from services.scheduler.spec import parse_job_spec
+from services.scheduler.sqlite_checkpoint import Checkpointer
 from services.scheduler.store import ANALYZE_FIRST, Move, NewJob, Store
 
 S = JobStatus
@@ -609,3 +610,66 @@ async def test_sqlite_reads_run_on_the_event_loop_thread(tmp_path: Path) -> None
         assert {t.ident for t in threading.enumerate()} == threads  # no thread started
     finally:
         await db.close()
+
+
+def test_checkpoints_copy_the_log_into_the_database_every_so_many_commits(
+    tmp_path: Path,
+) -> None:
+    """The checkpointer's thread copies committed pages into the database file after every
+    `every` commits, and only then; closing it takes a last checkpoint."""
+    path = tmp_path / "wal.db"
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("PRAGMA journal_mode=WAL")
+    writer.execute("PRAGMA wal_autocheckpoint=0")
+    writer.execute("CREATE TABLE t (n INTEGER)")
+
+    def rows_in_database_file() -> int:
+        copy = tmp_path / "copy.db"  # the database file alone, without its log
+        copy.write_bytes(path.read_bytes())
+        with contextlib.closing(sqlite3.connect(copy)) as conn:
+            tables = conn.execute("SELECT count(*) FROM sqlite_master WHERE name = 't'")
+            if not tables.fetchone()[0]:
+                return -1
+            return int(conn.execute("SELECT count(*) FROM t").fetchone()[0])
+
+    checkpointer = Checkpointer(str(path), every=3)
+    try:
+        for n in range(3):
+            writer.execute("INSERT INTO t VALUES (?)", (n,))
+            checkpointer.committed()
+        assert checkpointer.wait(1, timeout=10)
+        assert rows_in_database_file() == 3
+        for n in range(2):
+            writer.execute("INSERT INTO t VALUES (?)", (n,))
+            checkpointer.committed()
+        assert checkpointer.taken == 1  # two commits: not woken
+        assert rows_in_database_file() == 3
+    finally:
+        checkpointer.close()
+    assert checkpointer.taken == 2
+    assert rows_in_database_file() == 5
+    writer.close()
+
+
+async def test_the_schedulers_commits_never_checkpoint_and_wake_the_checkpointer(
+    tmp_path: Path,
+) -> None:
+    db = Database.open(f"sqlite:///{tmp_path / 'ckpt.db'}")
+    await db.migrate()
+    store = Store(db, EventBus())
+    checkpointer = db.checkpointer
+    assert checkpointer is not None
+    try:
+        for urgent in (True, False):
+            async with db.write(urgent) as session:
+                pragma = await session.execute(text("PRAGMA wal_autocheckpoint"))
+                assert pragma.scalar_one() == 0
+        before = checkpointer.taken
+        checkpointer.every = 2
+        await store.submit(new_job())  # a client's write, on the event loop's thread
+        async with store.transaction() as txn:  # background work, on the worker thread
+            await txn.session.execute(text("SELECT 1"))
+        assert await asyncio.to_thread(checkpointer.wait, before + 1, 10)
+    finally:
+        await db.close()
+    assert checkpointer.taken == before + 2  # and the last one as it closed

@@ -14,17 +14,19 @@ fell into lockstep, one job each (single-call admission dropped to ~300/s), and
 small report batches, written at once, did not gather (a sequential client's job
 cost the scheduler ~6.3 ms of CPU with batches of up to four reports inline,
 ~4.6 ms without).
-Reads use a third engine (WAL mode: readers never block the writer), also
-inline. PostgreSQL uses one engine for everything; its reads run concurrently, and
-its writes take the same turns, one at a time by default (`--db-writers`): a
-writer that runs alone gathers what arrives meanwhile into its next batch (single
-submissions from 64 clients: ~1,500/s with one writer, ~1,100/s with two or with
-no limit, on a 2-core machine).
+Reads use a third engine (WAL mode: readers never block the writer), also inline. No
+commit copies the write-ahead log back into the database: a thread of its own does
+(`sqlite_checkpoint`). PostgreSQL uses one engine for everything; its reads run
+concurrently, and its writes take the same turns, one at a time by default (`--db-
+writers`): a writer that runs alone gathers what arrives meanwhile into its next
+batch (single submissions from 64 clients: ~1,500/s with one writer, ~1,100/s with
+two or with no limit, on a 2-core machine).
 Migrations (alembic) run at start, on the same driver.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from collections.abc import AsyncIterator
@@ -43,6 +45,7 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from services.scheduler.sqlite_checkpoint import Checkpointer
 from services.scheduler.sqlite_inline import engine_url, inline_connector
 from services.scheduler.sqlite_thread import thread_connector
 from services.scheduler.write_gate import WriteGate
@@ -85,6 +88,8 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_ms: int = 10_000) 
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute(f"PRAGMA busy_timeout={int(busy_ms)}")
     cursor.execute("PRAGMA synchronous=NORMAL")
+    # Checkpoints run on a thread of their own (`sqlite_checkpoint`), never in a commit.
+    cursor.execute("PRAGMA wal_autocheckpoint=0")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
@@ -118,6 +123,8 @@ class Database:
     inline_engine: AsyncEngine | None = None
     # Write transactions at once (0: no limit); SQLite has one writer whatever is asked.
     writers: int = 1
+    # SQLite: copies the write-ahead log into the database, counting the writers' commits.
+    checkpointer: Checkpointer | None = None
 
     @classmethod
     def open(cls, url: str, writers: int = 1) -> Database:
@@ -130,6 +137,7 @@ class Database:
                 _sqlite_engine(url, "BEGIN IMMEDIATE", pool_size=1, max_overflow=0),
                 _sqlite_engine(url, "BEGIN", inline=True),
                 _sqlite_engine(url, "BEGIN IMMEDIATE", inline=True, pool_size=1, max_overflow=0),
+                checkpointer=Checkpointer(make_url(url).database or ""),
             )
         engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
         return cls(url, engine, engine, writers=writers)
@@ -167,6 +175,10 @@ class Database:
             self.inline_engine or self.write_engine, expire_on_commit=False
         )
         self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
+        if self.checkpointer is not None:
+            committed = self.checkpointer.committed
+            for engine in self.write_engines:
+                event.listen(engine.sync_engine, "commit", lambda _conn: committed())
 
     async def migrate(self) -> None:
         """Brings the schema to the newest alembic revision."""
@@ -182,6 +194,8 @@ class Database:
             await engine.dispose()
         if self.read_engine is not self.write_engine:
             await self.read_engine.dispose()
+        if self.checkpointer is not None:
+            await asyncio.to_thread(self.checkpointer.close)
 
 
 def _upgrade(connection: Connection) -> None:
