@@ -9,10 +9,11 @@ import asyncio
 import functools
 import sqlite3
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import event, func, select, text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.ext.asyncio import AsyncSession
 from test_store import accepted, assign, new_job, transition
@@ -21,7 +22,9 @@ from services.common import settings
 from services.common.errors import Unavailable
 from services.common.statuses import JobStatus
 from services.scheduler.db import INLINE_BUSY_MS, Database
+from services.scheduler.events import EventBus
 from services.scheduler.health import unavailable
+from services.scheduler.intake import Intake
 from services.scheduler.main import SETTINGS
 from services.scheduler.models import JobRow
 from services.scheduler.store import Store
@@ -239,3 +242,96 @@ def test_db_writers_is_a_flag_and_a_variable_and_refuses_a_negative_count(
     with pytest.raises(SystemExit):
         parse(["--db-writers", "-1"], {})
     assert "--db-writers: not a whole number: '-1'" in capsys.readouterr().err
+
+
+async def within_turns(condition: Callable[[], bool], turns: int = 20) -> bool:
+    """Whether `condition` holds within `turns` turns of the event loop."""
+    for _ in range(turns):
+        if condition():
+            return True
+        await asyncio.sleep(0)
+    return condition()
+
+
+async def test_a_lone_client_waits_only_while_no_other_clients_writes_gather() -> None:
+    gate = WriteGate()
+    gathering = False
+    gate.gathering = lambda: gathering
+    release = asyncio.Event()
+
+    async def background() -> None:
+        async with gate.turn(False):
+            await release.wait()
+
+    held = asyncio.create_task(background())
+    await asyncio.sleep(0)
+    assert not gate.lone_client_waiting  # background work waits for nobody
+    client = asyncio.create_task(holder(gate, "client", True, []))
+    await asyncio.sleep(0)
+    assert gate.lone_client_waiting
+    gathering = True  # more submissions queued behind it: let the batch grow
+    assert not gate.lone_client_waiting
+    release.set()
+    await asyncio.gather(held, client)
+    assert not gate.lone_client_waiting
+
+
+async def test_background_work_finishes_on_the_loops_thread_once_a_lone_client_waits(
+    tmp_path: Path,
+) -> None:
+    """A background transaction runs its statements on the worker thread until a client's
+    write waits for the writer; then the rest (and its COMMIT) on the event loop's thread,
+    and both commit."""
+    db = Database.open(f"sqlite:///{tmp_path / 'hurry.db'}")
+
+    def thread_function(dbapi_connection: sqlite3.Connection, _record: object) -> None:
+        dbapi_connection.create_function("thread", 0, threading.get_ident)
+
+    for engine in db.write_engines:
+        event.listen(engine.sync_engine, "connect", thread_function)
+    await db.migrate()
+    store = Store(db, EventBus())
+    assert db.gate is not None
+    loop_thread = threading.get_ident()
+    try:
+        async with db.write() as session:
+            before = (await session.execute(text("SELECT thread()"))).scalar_one()
+            client = asyncio.create_task(store.submit(new_job()))
+            assert await within_turns(lambda: db.gate is not None and db.gate.lone_client_waiting)
+            after = (await session.execute(text("SELECT thread()"))).scalar_one()
+            await session.execute(text("CREATE TABLE hurried (n INTEGER)"))
+        job_id, _ = await client
+        assert before != loop_thread and after == loop_thread
+        async with db.read() as session:
+            assert (await session.execute(text("SELECT count(*) FROM hurried"))).scalar_one() == 0
+        assert await store.get_job(job_id) is not None
+    finally:
+        await db.close()
+
+
+async def test_submissions_queued_in_the_intake_count_as_gathering(tmp_path: Path) -> None:
+    db = Database.open(f"sqlite:///{tmp_path / 'gather.db'}")
+    await db.migrate()
+    store = Store(db, EventBus())
+    intake = Intake(store)
+    gate = db.gate
+    assert gate is not None
+    release = asyncio.Event()
+
+    async def background() -> None:
+        async with db.write():
+            await release.wait()
+
+    try:
+        held = asyncio.create_task(background())
+        await asyncio.sleep(0)
+        first = asyncio.create_task(intake.submit(new_job(key="a")))
+        assert await within_turns(lambda: gate.lone_client_waiting)
+        second = asyncio.create_task(intake.submit(new_job(key="b")))
+        await asyncio.sleep(0)
+        assert gate.gathering() and not gate.lone_client_waiting
+        release.set()
+        await asyncio.gather(held, first, second)
+        assert not gate.gathering()
+    finally:
+        await db.close()

@@ -5,22 +5,23 @@ asyncio wait) instead of contending for SQLite's write lock and sleeping in its
 busy handler; each starts with BEGIN IMMEDIATE. Background writes (admission,
 reports) run on aiosqlite's worker thread, one round trip per statement
 (`sqlite_thread`), so the event loop gathers the next batch of reports while one
-is written. A client's write (a submission, a cancel)
-runs on the event loop's own thread (`sqlite_inline`), start to commit without a
-thread hand-off per statement and without other work interleaved: its turn is
-short, and so is the wait of whatever comes next. Background work stays on the
-thread even when small: run inline, an admission pass's turns and the clients'
-fell into lockstep, one job each (single-call admission dropped to ~300/s), and
-small report batches, written at once, did not gather (a sequential client's job
-cost the scheduler ~6.3 ms of CPU with batches of up to four reports inline,
-~4.6 ms without).
-Reads use a third engine (WAL mode: readers never block the writer), also inline. No
-commit copies the write-ahead log back into the database: a thread of its own does
-(`sqlite_checkpoint`). PostgreSQL uses one engine for everything; its reads run
-concurrently, and its writes take the same turns, one at a time by default (`--db-
-writers`): a writer that runs alone gathers what arrives meanwhile into its next
-batch (single submissions from 64 clients: ~1,500/s with one writer, ~1,100/s with
-two or with no limit, on a 2-core machine).
+is written; once a lone client waits for the writer, the rest of such a
+transaction runs on the event loop's thread in one go. A client's write (a
+submission, a cancel) runs on the event loop's own thread (`sqlite_inline`),
+start to commit without a thread hand-off per statement and without other work
+interleaved: its turn is short, and so is the wait of whatever comes next.
+Background work stays on the thread even when small: run inline, an admission
+pass's turns and the clients' fell into lockstep, one job each (single-call
+admission dropped to ~300/s), and small report batches, written at once, did not
+gather (a sequential client's job cost the scheduler ~6.3 ms of CPU with batches
+of up to four reports inline, ~4.6 ms without).
+Reads use a third engine (WAL mode: readers never block the writer), also
+inline. No commit copies the write-ahead log back into the database: a thread of
+its own does (`sqlite_checkpoint`). PostgreSQL uses one engine for everything;
+its reads run concurrently, and its writes take the same turns, one at a time by
+default (`--db-writers`): a writer that runs alone gathers what arrives
+meanwhile into its next batch (single submissions from 64 clients: ~1,500/s with
+one writer, ~1,100/s with two or with no limit, on a 2-core machine).
 Migrations (alembic) run at start, on the same driver.
 """
 
@@ -94,13 +95,18 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_ms: int = 10_000) 
     cursor.close()
 
 
-def _sqlite_engine(url: str, begin: str, inline: bool = False, **pool: Any) -> AsyncEngine:
+def _sqlite_engine(
+    url: str, begin: str, inline: bool = False, gate: WriteGate | None = None, **pool: Any
+) -> AsyncEngine:
     # No reset-on-return ROLLBACK: every session ends its own transaction, and on the
     # worker thread each statement is a round trip worth saving.
     busy_ms = INLINE_BUSY_MS if inline else 10_000
     path = make_url(url).database or ""
-    connector = inline_connector if inline else thread_connector
-    pool["creator"] = connector(path, busy_ms / 1000)
+    if inline:
+        pool["creator"] = inline_connector(path, busy_ms / 1000)
+    else:
+        client_waits = (lambda: gate.lone_client_waiting) if gate else (lambda: False)
+        pool["creator"] = thread_connector(path, busy_ms / 1000, client_waits)
     engine = create_async_engine(engine_url(path), pool_reset_on_return=None, **pool)
     event.listen(engine.sync_engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=busy_ms))
 
@@ -125,6 +131,8 @@ class Database:
     writers: int = 1
     # SQLite: copies the write-ahead log into the database, counting the writers' commits.
     checkpointer: Checkpointer | None = None
+    # The writers' turns (made here by default: one per writer, none for no limit).
+    gate: WriteGate | None = None
 
     @classmethod
     def open(cls, url: str, writers: int = 1) -> Database:
@@ -132,12 +140,14 @@ class Database:
         (0: as many as asked for)."""
         url = normalize_url(url)
         if url.startswith("sqlite"):
+            gate = WriteGate()
             return cls(
                 url,
-                _sqlite_engine(url, "BEGIN IMMEDIATE", pool_size=1, max_overflow=0),
+                _sqlite_engine(url, "BEGIN IMMEDIATE", gate=gate, pool_size=1, max_overflow=0),
                 _sqlite_engine(url, "BEGIN", inline=True),
                 _sqlite_engine(url, "BEGIN IMMEDIATE", inline=True, pool_size=1, max_overflow=0),
                 checkpointer=Checkpointer(make_url(url).database or ""),
+                gate=gate,
             )
         engine = create_async_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
         return cls(url, engine, engine, writers=writers)
@@ -169,7 +179,8 @@ class Database:
 
     def __post_init__(self) -> None:
         writers = 1 if self.is_sqlite else self.writers
-        self.gate = WriteGate(writers) if writers else None
+        if self.gate is None and writers:
+            self.gate = WriteGate(writers)
         self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
         self._inline_writer = async_sessionmaker(
             self.inline_engine or self.write_engine, expire_on_commit=False

@@ -8,7 +8,9 @@ pass, a batch of reports, each a few milliseconds (a sequential client's
 the writer to an urgent waiter (a client's submission or cancel) before
 background ones, but never to two urgent transactions in a row while background
 work waits: under a stream of submissions the turns alternate, so admission and
-reports are never starved.
+reports are never starved. A client that waits alone (no other clients' writes
+gathering behind it, `gathering`) also has the background holder hurry
+(`sqlite_thread`).
 
 PostgreSQL could run writes concurrently, but takes the same turns, one writer by
 default (`--db-writers`; `writers` here): batches grow while the writer is busy.
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 
@@ -29,6 +31,15 @@ class WriteGate:
         self._last_urgent = False
         self._urgent: collections.deque[asyncio.Future[None]] = collections.deque()
         self._background: collections.deque[asyncio.Future[None]] = collections.deque()
+        # Whether clients' writes are queued to go together into the next transaction
+        # (set by the intake, which gathers submissions).
+        self.gathering: Callable[[], bool] = lambda: False
+
+    @property
+    def lone_client_waiting(self) -> bool:
+        """Whether a client's transaction waits for its turn with no other clients' writes
+        gathering to go after it: the background holder had best hurry (`sqlite_thread`)."""
+        return bool(self._urgent) and not self.gathering()
 
     @property
     def waiting(self) -> int:
