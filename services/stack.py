@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -56,6 +57,8 @@ from services.common.tokens import bootstrap, tokens_path
 TLS_HOSTS = ("scheduler", "logs", "simcloud")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1")
 LOGS_SERVICE = "logs"
+# The lowest port `free_port` picks (below the kernel's ephemeral range).
+PORTS_FROM = 20000
 
 
 class StackError(RuntimeError):
@@ -74,9 +77,39 @@ def last_line(path: Path, limit: int = 8192) -> str:
     return next((line.strip() for line in reversed(lines) if line.strip()), "")
 
 
-def free_port() -> int:
+# Ports handed out by `free_port` in this process, never handed out twice.
+_handed_out: set[int] = set()
+_random = random.SystemRandom()
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel gives outgoing connections (0 when unknown)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A port free on `address` for a service to listen on, below the kernel's ephemeral
+    range where there is room: a port the kernel could also give an outgoing connection
+    may be taken between this check and the service's bind, or before a restarted
+    service binds it again."""
+    floor = _ephemeral_floor()
+    if floor > PORTS_FROM + 1000:
+        for _ in range(100):
+            port = _random.randrange(PORTS_FROM, floor)
+            if port in _handed_out:
+                continue
+            with socket.socket() as sock:
+                try:
+                    sock.bind((address, port))
+                except OSError:
+                    continue
+            _handed_out.add(port)
+            return port
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((address, 0))
         return int(sock.getsockname()[1])
 
 

@@ -39,6 +39,8 @@ import psutil
 import pytest
 import yaml
 
+from services.stack import free_port
+
 SSHD = Path("/usr/sbin/sshd")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 _COMMENT = "managed-jobs test host, harness pid "
@@ -64,12 +66,6 @@ def require_sshd() -> None:
 
 def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, timeout=60)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
 
 
 def _processes_of(uid: int) -> list[psutil.Process]:
@@ -330,7 +326,7 @@ class SshHosts:
             user,
         )
         home = Path(pwd.getpwnam(user).pw_dir)
-        host = SshHost(index, user, address, _free_port(address), home, host_dir)
+        host = SshHost(index, user, address, free_port(address), home, host_dir)
         host_key = asyncssh.generate_private_key("ssh-ed25519")
         host_key.write_private_key(host_dir / "host_key")
         host_key.write_public_key(host_dir / "host_key.pub")

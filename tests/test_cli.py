@@ -10,7 +10,6 @@ import io
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from managedjobs.v1 import (
 )
 from services.cli import commands, output, specs, tables
 from services.cli.main import run
+from services.stack import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 NOW = 1_700_000_000.0
@@ -396,12 +396,6 @@ def test_a_bad_environment_value_is_a_usage_error(capsys: pytest.CaptureFixture[
     assert capsys.readouterr().err == (
         "mj: error: MJ_TIMEOUT='soon': not a positive number of seconds: 'soon'\n"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_unreachable_scheduler_exits_3_with_one_line_naming_it() -> None:
@@ -810,7 +804,7 @@ def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None
     """mj launch keys its submission, so it retries safely until the scheduler answers."""
     from services.common.auth import Secrets
     from services.common.tokens import bootstrap, tokens_path
-    from services.stack import free_port, wait_serving
+    from services.stack import wait_serving
 
     port = free_port()
     spec = tmp_path / "job.yaml"

@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from services.stack import Stack, StackError
+from services.stack import PORTS_FROM, Stack, StackError, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PATIENT = 600.0
@@ -159,3 +159,15 @@ def test_the_logs_service_refuses_a_setting_it_cannot_use_in_one_line(
     assert len(errors) == 1 and errors[0].startswith("mj-logs"), run.stderr
     assert said.replace("HELD", str(held_port)) in errors[0]
     assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice() -> None:
+    """An outgoing connection can take no such port between the check and the bind."""
+    floor = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert floor > PORTS_FROM + 1000  # as on every machine these tests run on
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(PORTS_FROM <= port < floor for port in ports)
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
