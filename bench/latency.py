@@ -6,7 +6,10 @@ replica), then:
   arrival times from one client and measures submit -> first launch (the job's
   STARTING event) p50/p99, and the SubmitJob round trip of that paced client;
 - one client submitting one job at a time, each after the previous answer:
-  the SubmitJob round trip p50/p99, and each process's CPU per job meanwhile.
+  the SubmitJob round trip p50/p99, and each process's CPU per job meanwhile;
+  once through an asyncio channel (as the services call each other), once
+  through the blocking channel `mj` uses (`sequential_submit_mj_client`, with
+  this process's own CPU as "bench").
 Targets (SPEC §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
 
     .venv/bin/python bench/latency.py [--jobs 200] [--gaps 0.5,0.05] [--sequential 300]
@@ -31,6 +34,7 @@ from system import LONG_SPEC, CpuMeter, channel, running_system, summary
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
+from services.common.channels import open_sync_channel
 from services.stack import Stack
 
 
@@ -75,12 +79,25 @@ async def sequential(stack: Stack, jobs: int) -> dict[str, object]:
     the CPU each process spent per job meanwhile (every job is admitted, launched and
     reported RUNNING while the next ones are submitted)."""
     times = []
-    meter = CpuMeter(stack)
+    meter = CpuMeter(stack, bench=True)
     async with channel(stack, stack.scheduler_address) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         for _ in range(jobs):
             start = time.perf_counter()
             await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
+            times.append((time.perf_counter() - start) * 1000)
+    return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs)}
+
+
+def sequential_blocking(stack: Stack, jobs: int) -> dict[str, object]:
+    """As `sequential`, through the blocking client `mj` uses (`open_sync_channel`)."""
+    times = []
+    meter = CpuMeter(stack, bench=True)
+    with open_sync_channel(stack.scheduler_address, stack.client_security) as chan:
+        stub = job_service_pb2_grpc.JobServiceStub(chan)
+        for _ in range(jobs):
+            start = time.perf_counter()
+            stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
             times.append((time.perf_counter() - start) * 1000)
     return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs)}
 
@@ -99,6 +116,7 @@ def main() -> None:
                 poisson(stack, args.jobs, gap, args.seed)
             )
         figures["sequential_submit"] = asyncio.run(sequential(stack, args.sequential))
+        figures["sequential_submit_mj_client"] = sequential_blocking(stack, args.sequential)
     print(
         json.dumps({"bench": "latency", "jobs": args.jobs, **figures, "machine": machine()}),
         flush=True,

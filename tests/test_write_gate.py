@@ -24,8 +24,7 @@ from services.common.statuses import JobStatus
 from services.scheduler.db import INLINE_BUSY_MS, Database
 from services.scheduler.events import EventBus
 from services.scheduler.health import unavailable
-from services.scheduler.intake import Intake
-from services.scheduler.main import SETTINGS
+from services.scheduler.main import SETTINGS, SchedulerApp
 from services.scheduler.models import JobRow
 from services.scheduler.store import Store
 from services.scheduler.write_gate import WriteGate
@@ -309,29 +308,24 @@ async def test_background_work_finishes_on_the_loops_thread_once_a_lone_client_w
         await db.close()
 
 
-async def test_submissions_queued_in_the_intake_count_as_gathering(tmp_path: Path) -> None:
-    db = Database.open(f"sqlite:///{tmp_path / 'gather.db'}")
-    await db.migrate()
-    store = Store(db, EventBus())
-    intake = Intake(store)
-    gate = db.gate
-    assert gate is not None
+async def test_submissions_queued_in_the_intake_count_as_gathering(app: SchedulerApp) -> None:
+    """As the scheduler wires them: a submission waiting alone for the writer is a lone
+    client; once more queue behind it in the intake, they are gathering."""
+    gate, intake = app.db.gate, app.job_api.intake
+    assert gate is not None and gate.gathering == intake.gathering
     release = asyncio.Event()
 
     async def background() -> None:
-        async with db.write():
+        async with app.db.write():
             await release.wait()
 
-    try:
-        held = asyncio.create_task(background())
-        await asyncio.sleep(0)
-        first = asyncio.create_task(intake.submit(new_job(key="a")))
-        assert await within_turns(lambda: gate.lone_client_waiting)
-        second = asyncio.create_task(intake.submit(new_job(key="b")))
-        await asyncio.sleep(0)
-        assert gate.gathering() and not gate.lone_client_waiting
-        release.set()
-        await asyncio.gather(held, first, second)
-        assert not gate.gathering()
-    finally:
-        await db.close()
+    held = asyncio.create_task(background())
+    await asyncio.sleep(0)
+    first = asyncio.create_task(intake.submit(new_job(key="a")))
+    assert await within_turns(lambda: gate.lone_client_waiting)
+    second = asyncio.create_task(intake.submit(new_job(key="b")))
+    await asyncio.sleep(0)
+    assert gate.gathering() and not gate.lone_client_waiting
+    release.set()
+    await asyncio.gather(held, first, second)
+    assert not gate.gathering()

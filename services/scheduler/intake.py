@@ -25,8 +25,6 @@ class Intake:
         self._busy = False
         # Never read: held so the event loop's weak reference is not the worker's only one.
         self._worker: asyncio.Task[None] | None = None
-        if store.db.gate is not None:
-            store.db.gate.gathering = self.gathering
 
     def gathering(self) -> bool:
         """Whether submissions are queued behind the commit in flight."""

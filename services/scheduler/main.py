@@ -159,15 +159,19 @@ class SchedulerApp:
         self._reconcile_now = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
         self.server = Server(host, port, security=security)
+        self.job_api = JobApi(
+            self.store,
+            self.bus,
+            self.admission,
+            Cancels(self.store, self.outbox),
+            on_pending_deadline=self.deadlines.soon,
+        )
+        if self.db.gate is not None:
+            # A lone client's submission has the writer's holder hurry; a gathering batch not.
+            self.db.gate.gathering = self.job_api.intake.gathering
         self.server.add(
             job_service_pb2_grpc.add_JobServiceServicer_to_server,
-            JobApi(
-                self.store,
-                self.bus,
-                self.admission,
-                Cancels(self.store, self.outbox),
-                on_pending_deadline=self.deadlines.soon,
-            ),
+            self.job_api,
             "managedjobs.v1.JobService",
         )
         self.server.add(
