@@ -18,7 +18,7 @@ each cell follows from `access.POLICY` alone, and every cell is asserted.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -72,13 +72,12 @@ async def call(
     encode, decode = type(request).SerializeToString, reply.FromString
     try:
         if desc.client_streaming:
-
-            async def one() -> AsyncIterator[message.Message]:
-                yield request
-
-            stream = channel.stream_stream(method, encode, decode)(one(), timeout=10)
-            await stream.read()
-            stream.cancel()
+            try:
+                await _stream(channel.stream_stream(method, encode, decode), request)
+            except grpc.aio.AioRpcError as error:
+                if not _write_lost_the_race(error):
+                    raise
+                await _stream(channel.stream_stream(method, encode, decode), request, patient=True)
         elif desc.server_streaming:
             responses = channel.unary_stream(method, encode, decode)(request, timeout=10)
             await responses.read()
@@ -86,8 +85,34 @@ async def call(
         else:
             await channel.unary_unary(method, encode, decode)(request, timeout=10)
     except grpc.aio.AioRpcError as error:
+        if error.code() == grpc.StatusCode.INTERNAL:  # say which, if a cell ever sees one
+            return error.code(), f"{error.details()} {error.debug_error_string()}"
         return error.code(), error_reason(error)
     return grpc.StatusCode.OK, ""
+
+
+async def _stream(
+    open_call: grpc.aio.StreamStreamMultiCallable, request: message.Message, patient: bool = False
+) -> None:
+    """Sends `request` on a new stream and reads the first answer. `patient`: first waits
+    up to a second for the server to end the call, and sends nothing if it did."""
+    stream = open_call(None, timeout=10)  # written to below
+    if patient:
+        ended = asyncio.ensure_future(stream.code())
+        await asyncio.wait([ended], timeout=1)
+        if ended.done():
+            await stream.read()  # raises with the server's status
+    await stream.write(request)
+    await stream.read()
+    stream.cancel()
+
+
+def _write_lost_the_race(error: grpc.aio.AioRpcError) -> bool:
+    """grpcio's asyncio client reports INTERNAL instead of the server's status when its
+    write of a request fails because the server has just ended the call (a denied one:
+    the edge refuses it before reading any request; grpc/grpc issue 36066)."""
+    debug = error.debug_error_string() or ""
+    return error.code() == grpc.StatusCode.INTERNAL and "SendMessageOperation" in debug
 
 
 def error_reason(error: grpc.aio.AioRpcError) -> str:
