@@ -15,7 +15,7 @@ this is what each costs before its statements' own work.
 Then `submission`: real submissions (`Store.submit`, a job of one task, as a
 client's `SubmitJob` stores it) one after another, their wall time p50/p99/max in
 ms, and how many checkpoints copied SQLite's log back meanwhile: every commit
-writes pages, so the log grows and is checkpointed every few hundred commits
+writes pages, so the log grows and is checkpointed every 100 commits
 (`services/scheduler/sqlite_checkpoint.py`). Prints one JSON line.
 
     .venv/bin/python bench/transactions.py [--number 2000] [--rounds 5] [--submissions 5000]
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine, probe_filesystem
 from sqlalchemy import text
+from system import summary
 
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
@@ -67,13 +68,8 @@ async def submissions(db: Database, number: int) -> dict[str, object]:
         start = time.perf_counter()
         await store.submit(job)
         times.append((time.perf_counter() - start) * 1000)
-    times.sort()
-    return {
-        "p50_ms": round(times[len(times) // 2], 3),
-        "p99_ms": round(times[int(len(times) * 0.99)], 3),
-        "max_ms": round(times[-1], 3),
-        "checkpoints": (db.checkpointer.taken if db.checkpointer else 0) - taken,
-    }
+    checkpoints = (db.checkpointer.taken if db.checkpointer else 0) - taken
+    return {**summary(times, "ms"), "checkpoints": checkpoints}
 
 
 async def measure(folder: Path, number: int, rounds: int, submitted: int) -> dict[str, object]:
