@@ -22,7 +22,8 @@ from sqlalchemy import ColumnElement, and_, select, true, update
 
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
-from services.scheduler.models import JobRow
+from services.scheduler.id_lists import in_ids
+from services.scheduler.models import JOBS, JobRow
 from services.scheduler.outbox import Outbox
 from services.scheduler.store import Move, Store, set_task_statuses
 
@@ -43,7 +44,7 @@ class Targets:
     def where(self) -> ColumnElement[bool]:
         clauses: list[ColumnElement[bool]] = [JobRow.schedule_state != St.DONE]
         if self.job_ids:
-            clauses.append(JobRow.id.in_(list(self.job_ids)))
+            clauses.append(in_ids(JOBS.c.id, values=list(self.job_ids)))
         if self.name:
             clauses.append(JobRow.name == self.name)
         if self.user:

@@ -35,7 +35,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import BindParameter, Row, bindparam, select, tuple_, update
+from sqlalchemy import Row, bindparam, select, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
@@ -49,6 +49,7 @@ from services.common.statuses import (
     schedule_transition,
 )
 from services.scheduler import convert, metrics
+from services.scheduler.id_lists import ids_param, in_ids
 from services.scheduler.models import ATTEMPTS, JOBS, TASKS, JobRow
 from services.scheduler.rows import Tracked
 from services.scheduler.store import (
@@ -75,16 +76,20 @@ MAX_REGION = 64
 # A batch's reads, built once (see the store's statements). Each key query also names
 # the job ids: SQLite answers a row-value IN alone with a scan of the whole table, and
 # with the job ids through the primary key.
-KEYS: BindParameter[tuple[int, ...]] = bindparam("keys", expanding=True)
+KEYS = ids_param("keys")
 T, A = TASKS.c, ATTEMPTS.c
-LOAD_JOBS = select(JOBS).where(JOBS.c.id.in_(IDS)).with_for_update()
-LOAD_TASKS = select(TASKS).where(T.job_id.in_(IDS), tuple_(T.job_id, T.task_id).in_(KEYS))
+LOAD_JOBS = select(JOBS).where(in_ids(JOBS.c.id, param=IDS)).with_for_update()
+LOAD_TASKS = select(TASKS).where(
+    in_ids(T.job_id, param=IDS), in_ids(T.job_id, T.task_id, param=KEYS)
+)
 LOAD_ATTEMPTS = select(ATTEMPTS).where(
-    A.job_id.in_(IDS), tuple_(A.job_id, A.task_id, A.attempt).in_(KEYS)
+    in_ids(A.job_id, param=IDS), in_ids(A.job_id, A.task_id, A.attempt, param=KEYS)
 )
 # The jobs' tasks not in a terminal status, locked.
 UNFINISHED_TASKS = (
-    select(TASKS).where(T.job_id.in_(IDS), T.status.not_in(list(TERMINAL))).with_for_update()
+    select(TASKS)
+    .where(in_ids(T.job_id, param=IDS), T.status.not_in(list(TERMINAL)))
+    .with_for_update()
 )
 ASSIGNMENT = select(JOBS.c.controller_id, JOBS.c.epoch, JOBS.c.schedule_state).where(
     JOBS.c.id == bindparam("job_id")
@@ -536,12 +541,12 @@ async def release(
     # Ids go in chunks: a database takes a bounded number of parameters per statement.
     scopes: list[list[Any]] = [[]]
     if job_ids is not None:
-        scopes = [[JobRow.id.in_(chunk)] for chunk in chunked(list(job_ids))]
+        scopes = [[in_ids(JOBS.c.id, values=chunk)] for chunk in chunked(list(job_ids))]
     if pairs is not None:
         scopes = [
             [
-                JobRow.id.in_([job_id for job_id, _ in chunk]),
-                tuple_(JobRow.id, JobRow.epoch).in_(chunk),
+                in_ids(JOBS.c.id, values=[job_id for job_id, _ in chunk]),
+                in_ids(JOBS.c.id, JOBS.c.epoch, values=chunk),
             ]
             for chunk in chunked(list(pairs))
         ]
@@ -567,7 +572,7 @@ async def release(
     for chunk in chunked(sorted(recovering)):
         await txn.session.execute(
             update(JobRow)
-            .where(JobRow.id.in_(chunk), JobRow.status == S.STARTING)
+            .where(in_ids(JOBS.c.id, values=chunk), JobRow.status == S.STARTING)
             .values(status=S.RECOVERING),
             execution_options={"synchronize_session": False},
         )

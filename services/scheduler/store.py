@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import BindParameter, Row, Select, Table, bindparam, func, insert, select, update
+from sqlalchemy import Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -51,6 +51,7 @@ from services.common.statuses import (
 from services.scheduler import convert
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
+from services.scheduler.id_lists import ids_param, in_ids
 from services.scheduler.models import (
     ATTEMPTS,
     EVENTS,
@@ -130,9 +131,10 @@ class Queued(NamedTuple):
 # with bound parameters: building a statement costs more than running it (an UPDATE of
 # one row: ~190 us built each time through the ORM's attributes, ~60 us prebuilt on the
 # table's columns, on SQLite). Their columns are the tables' own, not the ORM's, so a
-# session runs them as plain Core statements.
+# session runs them as plain Core statements. Lists of ids are one JSON parameter each
+# (`id_lists.in_ids`): one statement text whatever the list's length.
 J = JOBS.c
-IDS: BindParameter[int] = bindparam("ids", expanding=True)
+IDS = ids_param("ids")
 
 
 def _queue(*where: Any) -> Select[int, int, int, str | None, ScheduleState]:
@@ -156,17 +158,17 @@ KEYED_JOBS = select(J.id, J.user, J.idempotency_key).where(
     J.idempotency_key.in_(bindparam("keys", expanding=True)),
 )
 INSERT_EVENTS = insert(EVENTS).returning(EVENTS.c.id, sort_by_parameter_order=True)
-SELECT_JOBS = select(JOBS).where(J.id.in_(IDS))
-SELECT_TASKS = select(TASKS).where(TASKS.c.job_id.in_(IDS))
+SELECT_JOBS = select(JOBS).where(in_ids(J.id, param=IDS))
+SELECT_TASKS = select(TASKS).where(in_ids(TASKS.c.job_id, param=IDS))
 SELECT_TASKS_NO_SPECS = select(*(c for c in TASKS.c if c.name != "spec")).where(
-    TASKS.c.job_id.in_(IDS)
+    in_ids(TASKS.c.job_id, param=IDS)
 )
 
 
 def _moves(*returning: Any) -> dict[tuple[bool, bool], Any]:
     """Schedule-state moves of many jobs, conditional UPDATEs (see the module's
     invariants), returning `returning`: by (assigning, held by a given replica)."""
-    moving = update(JOBS).where(J.id.in_(IDS), J.schedule_state == bindparam("old"))
+    moving = update(JOBS).where(in_ids(J.id, param=IDS), J.schedule_state == bindparam("old"))
     plain = moving.values(schedule_state=bindparam("new"), wait_reason="").returning(*returning)
     # Assigning hands the jobs to a replica with the next epoch; only jobs nobody holds.
     assign = (
@@ -199,9 +201,9 @@ MOVE_ONE = (
 )
 MOVE_ONE_WITH_REASON = MOVE_ONE.values(wait_reason=bindparam("reason"))
 ORPHANS = _queue(J.controller_id.is_(None), J.schedule_state.in_(list(ALIVE_LIST)))
-SELECT_SECRETS = select(SECRETS.c.job_id, SECRETS.c.data).where(SECRETS.c.job_id.in_(IDS))
+SELECT_SECRETS = select(SECRETS.c.job_id, SECRETS.c.data).where(in_ids(SECRETS.c.job_id, param=IDS))
 JOB_ATTEMPTS = select(ATTEMPTS).where(ATTEMPTS.c.job_id == bindparam("job_id"))
-OWNERS = select(J.id, J.user).where(J.id.in_(IDS))
+OWNERS = select(J.id, J.user).where(in_ids(J.id, param=IDS))
 
 
 @functools.cache
@@ -210,7 +212,7 @@ def _list_query(ids: bool, statuses: bool, user: bool, name: bool, before: bool)
     (the logs service asks for jobs by id with every new job's first lines)."""
     query = select(JOBS).order_by(J.id.desc()).limit(bindparam("limit"))
     if ids:
-        query = query.where(J.id.in_(IDS))
+        query = query.where(in_ids(J.id, param=IDS))
     if statuses:
         query = query.where(J.status.in_(bindparam("statuses", expanding=True)))
     if user:
@@ -328,7 +330,9 @@ async def set_task_statuses(
         raise IllegalTransition(f"tasks cannot move from {names} to {new.name}")
     moved: list[tuple[int, int]] = []
     for chunk in chunked(list(job_ids)):
-        query = update(TaskRow).where(TaskRow.job_id.in_(chunk), TaskRow.status.in_(list(old)))
+        query = update(TaskRow).where(
+            in_ids(TASKS.c.job_id, values=chunk), TaskRow.status.in_(list(old))
+        )
         if task_id is not None:
             query = query.where(TaskRow.task_id == task_id)
         rows = await txn.session.execute(
@@ -340,8 +344,8 @@ async def set_task_statuses(
 
 
 def chunked(items: Sequence[T], size: int = IN_CHUNK) -> list[Sequence[T]]:
-    """`items` in slices of at most `size`, for `IN (...)` lists: PostgreSQL takes at most
-    32,767 parameters per statement, and a cancel or a release may name more jobs."""
+    """`items` in slices of at most `size`, for lists of ids in statements: a cancel or a
+    release may name more jobs, and each statement's list stays bounded."""
     return [items[start : start + size] for start in range(0, len(items), size)]
 
 
