@@ -16,9 +16,16 @@ Then `submission`: real submissions (`Store.submit`, a job of one task, as a
 client's `SubmitJob` stores it) one after another, their wall time p50/p99/max in
 ms, and how many checkpoints copied SQLite's log back meanwhile: every commit
 writes pages, so the log grows and is checkpointed every 100 commits
-(`services/scheduler/sqlite_checkpoint.py`). Prints one JSON line.
+(`services/scheduler/sqlite_checkpoint.py`).
+Then `batches`: the batch paths, in CPU microseconds per job: `--batch` jobs
+(500) assigned to a replica in one move, their STARTING and RUNNING reports
+applied as one batch each (`Reports.apply`), and the jobs released from the
+replica, the mean of `--batch-rounds` rounds, on SQLite and (with `--postgres`)
+on a fresh PostgreSQL database: what the statements that name many jobs cost.
+Prints one JSON line.
 
     .venv/bin/python bench/transactions.py [--number 2000] [--rounds 5] [--submissions 5000]
+        [--batch 500] [--batch-rounds 6] [--postgres URL]
 """
 
 from __future__ import annotations
@@ -37,10 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine, probe_filesystem
 from sqlalchemy import text
-from system import summary
+from system import postgres_database, summary
 
+from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
+from services.scheduler.reports import Reports
 from services.scheduler.spec import parse_job_spec
 from services.scheduler.store import NewJob, Store
 
@@ -70,6 +80,45 @@ async def submissions(db: Database, number: int) -> dict[str, object]:
         times.append((time.perf_counter() - start) * 1000)
     checkpoints = (db.checkpointer.taken if db.checkpointer else 0) - taken
     return {**summary(times, "ms"), "checkpoints": checkpoints}
+
+
+async def batches(url: str, size: int, rounds: int) -> dict[str, float]:
+    """CPU per job of a move, two report batches and a release of `size` jobs at once."""
+    db = Database.open(url)
+    await db.migrate()
+    store = Store(db, EventBus())
+    reports = Reports(store)
+    spec = parse_job_spec("name: bench\nrun: train\n")
+    cpu = dict.fromkeys(("move", "starting", "running", "release"), 0.0)
+
+    def report(job_id: int, epoch: int, status: JobStatus) -> pb.ConnectControllerRequest:
+        change = pb.TaskTransition(job_id=job_id, epoch=epoch, status=int(status), attempt=1)  # type: ignore[arg-type]
+        return pb.ConnectControllerRequest(transition=change)
+
+    try:
+        for round_ in range(rounds):
+            new = [
+                NewJob(spec.name, "bench", 0, "", f"{round_}-{i}", spec.tasks) for i in range(size)
+            ]
+            ids = [job_id for job_id, _ in await store.submit_many(new)]
+            start = time.process_time()
+            moves, _ = await store.move_many(
+                ids, ScheduleState.WAITING, ScheduleState.LAUNCHING, assign_to="c1"
+            )
+            cpu["move"] += time.process_time() - start
+            for status, name in ((JobStatus.STARTING, "starting"), (JobStatus.RUNNING, "running")):
+                batch = [report(m.job_id, m.epoch, status) for m in moves]
+                start = time.process_time()
+                applied = await reports.apply("c1", batch)
+                cpu[name] += time.process_time() - start
+                if not all(ack.accepted for ack in applied.acks):
+                    raise RuntimeError(f"a {name} report was refused: {applied.acks[0]}")
+            start = time.process_time()
+            await reports.release_replica("c1", ids)
+            cpu["release"] += time.process_time() - start
+    finally:
+        await db.close()
+    return {f"{name}_cpu_us": round(total / rounds / size * 1e6, 1) for name, total in cpu.items()}
 
 
 async def measure(folder: Path, number: int, rounds: int, submitted: int) -> dict[str, object]:
@@ -109,10 +158,20 @@ def main() -> None:
     parser.add_argument("--number", type=int, default=2000, help="transactions per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--submissions", type=int, default=5000)
+    parser.add_argument("--batch", type=int, default=500, help="jobs per batch")
+    parser.add_argument("--batch-rounds", type=int, default=6)
+    parser.add_argument("--postgres", default="", help="admin URL: batches on PostgreSQL too")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         probe_filesystem(Path(tmp))
         figures = asyncio.run(measure(Path(tmp), args.number, args.rounds, args.submissions))
+        urls = {"sqlite": f"sqlite:///{tmp}/batches.db"}
+        if args.postgres:
+            urls["postgres"] = postgres_database(args.postgres)
+        figures["batches"] = {
+            kind: asyncio.run(batches(url, args.batch, args.batch_rounds))
+            for kind, url in urls.items()
+        }
     print(json.dumps({"bench": "transactions", **figures, "machine": machine()}), flush=True)
 
 

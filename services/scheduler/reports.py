@@ -211,12 +211,12 @@ class Loaded:
     # The tasks not finished in the database, of each job a JobFinished names.
     unfinished: dict[int, list[Tracked]] = dataclasses.field(default_factory=dict)
 
-    def task(self, row: Row[Any]) -> Tracked:
+    def task(self, row: Row[Any], keys: Sequence[str] | None = None) -> Tracked:
         """The batch's one copy of a task row read (the first read of it)."""
         key = (row.job_id, row.task_id)
         task = self.tasks.get(key)
         if task is None:
-            task = self.tasks[key] = self.txn.track(TASKS, row)
+            task = self.tasks[key] = self.txn.track(TASKS, row, keys)
         return task
 
 
@@ -256,24 +256,31 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
     session = txn.session
     loaded = _loaded(txn)
     jobs_in = sorted(job_ids)
-    found_jobs = (await session.execute(LOAD_JOBS, {"ids": jobs_in})).all()
+    found = await session.execute(LOAD_JOBS, {"ids": jobs_in})
+    keys = list(found.keys())
     loaded.jobs.update(dict.fromkeys(job_ids))
-    loaded.jobs.update((job.id, txn.track(JOBS, job)) for job in found_jobs)
+    loaded.jobs.update((job.id, txn.track(JOBS, job, keys)) for job in found.all())
     if task_keys:
         params = {"ids": jobs_in, "keys": sorted(task_keys)}
         loaded.tasks.update(dict.fromkeys(task_keys))
-        for row in (await session.execute(LOAD_TASKS, params)).all():
-            loaded.task(row)
+        found = await session.execute(LOAD_TASKS, params)
+        keys = list(found.keys())
+        for row in found.all():
+            loaded.task(row, keys)
     if attempt_keys:
         params = {"ids": jobs_in, "keys": sorted(attempt_keys)}
         loaded.attempts.update(dict.fromkeys(attempt_keys))
-        for row in (await session.execute(LOAD_ATTEMPTS, params)).all():
-            loaded.attempts[(row.job_id, row.task_id, row.attempt)] = txn.track(ATTEMPTS, row)
+        found = await session.execute(LOAD_ATTEMPTS, params)
+        keys = list(found.keys())
+        for row in found.all():
+            loaded.attempts[(row.job_id, row.task_id, row.attempt)] = txn.track(ATTEMPTS, row, keys)
     if finished_ids:
         unfinished: dict[int, list[Tracked]] = {job_id: [] for job_id in finished_ids}
         params = {"ids": sorted(finished_ids)}
-        for row in (await session.execute(UNFINISHED_TASKS, params)).all():
-            unfinished[row.job_id].append(loaded.task(row))
+        found = await session.execute(UNFINISHED_TASKS, params)
+        keys = list(found.keys())
+        for row in found.all():
+            unfinished[row.job_id].append(loaded.task(row, keys))
         loaded.unfinished.update(unfinished)
 
 
