@@ -9,7 +9,7 @@ from test_store import new_job
 
 from services.common.statuses import JobStatus
 from services.scheduler.models import ATTEMPTS, JOBS, AttemptRow, JobRow
-from services.scheduler.rows import Tracked
+from services.scheduler.rows import Tracked, values_of
 from services.scheduler.store import Store
 
 S = JobStatus
@@ -41,8 +41,8 @@ async def test_write_back_runs_one_statement_per_table_and_columns(sqlite_store:
     event.listen(engine, "before_cursor_execute", record)
     try:
         async with sqlite_store.transaction() as txn:
-            rows = (await txn.session.execute(select(JOBS).where(JOBS.c.id.in_(ids)))).all()
-            jobs = {row.id: txn.track(JOBS, row) for row in rows}
+            rows = values_of(await txn.session.execute(select(JOBS).where(JOBS.c.id.in_(ids))))
+            jobs = {row["id"]: txn.track(JOBS, row) for row in rows}
             for job_id in ids[:3]:
                 jobs[job_id].wait_reason = f"w{job_id}"  # three rows, one column
             jobs[ids[3]].epoch = 9  # another column

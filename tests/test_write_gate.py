@@ -36,17 +36,18 @@ async def holder(gate: WriteGate, name: str, urgent: bool, order: list[str]) -> 
         await asyncio.sleep(0)
 
 
+async def background(gate: WriteGate, release: asyncio.Event) -> None:
+    """Background work that holds the gate until `release` is set."""
+    async with gate.turn(False):
+        await release.wait()
+
+
 async def queued(gate: WriteGate, *writers: tuple[str, bool]) -> list[str]:
     """Runs the writers, each asking for its turn while the gate is held, in this order;
     returns the order they got it in."""
     order: list[str] = []
     release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.turn(False):
-            await release.wait()
-
-    tasks = [asyncio.create_task(first())]
+    tasks = [asyncio.create_task(background(gate, release))]
     await asyncio.sleep(0)
     for name, urgent in writers:
         tasks.append(asyncio.create_task(holder(gate, name, urgent, order)))
@@ -82,12 +83,7 @@ async def test_a_cancelled_waiter_is_skipped() -> None:
     gate = WriteGate()
     order: list[str] = []
     release = asyncio.Event()
-
-    async def first() -> None:
-        async with gate.turn(False):
-            await release.wait()
-
-    held = asyncio.create_task(first())
+    held = asyncio.create_task(background(gate, release))
     await asyncio.sleep(0)
     gone = asyncio.create_task(holder(gate, "gone", True, order))
     kept = asyncio.create_task(holder(gate, "kept", False, order))
@@ -257,12 +253,7 @@ async def test_a_lone_client_waits_only_while_no_other_clients_writes_gather() -
     gathering = False
     gate.gathering = lambda: gathering
     release = asyncio.Event()
-
-    async def background() -> None:
-        async with gate.turn(False):
-            await release.wait()
-
-    held = asyncio.create_task(background())
+    held = asyncio.create_task(background(gate, release))
     await asyncio.sleep(0)
     assert not gate.lone_client_waiting  # background work waits for nobody
     client = asyncio.create_task(holder(gate, "client", True, []))

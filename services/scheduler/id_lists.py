@@ -9,7 +9,7 @@ database unpacks the array itself, SQLite with `json_each`, PostgreSQL with
 `jsonb_array_elements`, and the primary key still serves the lookup (the store's
 tests check the plans).
 
-    in_ids(JOBS.c.id, IDS)                                   # a parameter bound later
+    in_ids(JOBS.c.id, param=ids_param("ids"))                # a list bound later
     in_ids(TASKS.c.job_id, TASKS.c.task_id, values=[(1, 0)]) # values bound now
 """
 
@@ -69,7 +69,7 @@ def in_ids(
     """`columns IN (...)`, the list bound through `param` (see `ids_param`) or given now
     as `values` (one id per row for one column, a tuple per row for several)."""
     if (param is None) == (values is None):
-        raise TypeError("in_ids takes a parameter or values, not both")
+        raise TypeError("in_ids takes either a parameter or values")
     if param is None:
         param = bindparam(None, list(values or ()), type_=IdList(), unique=True)
     return InIds(tuple(columns), param)

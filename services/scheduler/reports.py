@@ -35,7 +35,7 @@ import functools
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import Row, bindparam, select, update
+from sqlalchemy import bindparam, select, update
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
@@ -51,7 +51,7 @@ from services.common.statuses import (
 from services.scheduler import convert, metrics
 from services.scheduler.id_lists import ids_param, in_ids
 from services.scheduler.models import ATTEMPTS, JOBS, TASKS, JobRow
-from services.scheduler.rows import Tracked
+from services.scheduler.rows import Tracked, values_of
 from services.scheduler.store import (
     IDS,
     Move,
@@ -211,12 +211,12 @@ class Loaded:
     # The tasks not finished in the database, of each job a JobFinished names.
     unfinished: dict[int, list[Tracked]] = dataclasses.field(default_factory=dict)
 
-    def task(self, row: Row[Any], keys: Sequence[str] | None = None) -> Tracked:
+    def task(self, values: dict[str, Any]) -> Tracked:
         """The batch's one copy of a task row read (the first read of it)."""
-        key = (row.job_id, row.task_id)
+        key = (values["job_id"], values["task_id"])
         task = self.tasks.get(key)
         if task is None:
-            task = self.tasks[key] = self.txn.track(TASKS, row, keys)
+            task = self.tasks[key] = self.txn.track(TASKS, values)
         return task
 
 
@@ -256,31 +256,25 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
     session = txn.session
     loaded = _loaded(txn)
     jobs_in = sorted(job_ids)
-    found = await session.execute(LOAD_JOBS, {"ids": jobs_in})
-    keys = list(found.keys())
+    found_jobs = values_of(await session.execute(LOAD_JOBS, {"ids": jobs_in}))
     loaded.jobs.update(dict.fromkeys(job_ids))
-    loaded.jobs.update((job.id, txn.track(JOBS, job, keys)) for job in found.all())
+    loaded.jobs.update((job["id"], txn.track(JOBS, job)) for job in found_jobs)
     if task_keys:
         params = {"ids": jobs_in, "keys": sorted(task_keys)}
         loaded.tasks.update(dict.fromkeys(task_keys))
-        found = await session.execute(LOAD_TASKS, params)
-        keys = list(found.keys())
-        for row in found.all():
-            loaded.task(row, keys)
+        for row in values_of(await session.execute(LOAD_TASKS, params)):
+            loaded.task(row)
     if attempt_keys:
         params = {"ids": jobs_in, "keys": sorted(attempt_keys)}
         loaded.attempts.update(dict.fromkeys(attempt_keys))
-        found = await session.execute(LOAD_ATTEMPTS, params)
-        keys = list(found.keys())
-        for row in found.all():
-            loaded.attempts[(row.job_id, row.task_id, row.attempt)] = txn.track(ATTEMPTS, row, keys)
+        for row in values_of(await session.execute(LOAD_ATTEMPTS, params)):
+            key = (row["job_id"], row["task_id"], row["attempt"])
+            loaded.attempts[key] = txn.track(ATTEMPTS, row)
     if finished_ids:
         unfinished: dict[int, list[Tracked]] = {job_id: [] for job_id in finished_ids}
         params = {"ids": sorted(finished_ids)}
-        found = await session.execute(UNFINISHED_TASKS, params)
-        keys = list(found.keys())
-        for row in found.all():
-            unfinished[row.job_id].append(loaded.task(row, keys))
+        for row in values_of(await session.execute(UNFINISHED_TASKS, params)):
+            unfinished[row["job_id"]].append(loaded.task(row))
         loaded.unfinished.update(unfinished)
 
 
@@ -357,8 +351,8 @@ async def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
     if job_id in loaded.jobs:
         job = loaded.jobs[job_id]
     else:
-        row = (await txn.session.execute(LOAD_JOBS, {"ids": [job_id]})).first()
-        job = loaded.jobs[job_id] = None if row is None else txn.track(JOBS, row)
+        rows = values_of(await txn.session.execute(LOAD_JOBS, {"ids": [job_id]}))
+        job = loaded.jobs[job_id] = txn.track(JOBS, rows[0]) if rows else None
     if job is None or job.epoch != epoch or job.controller_id != cid:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return job
@@ -369,8 +363,8 @@ async def _task(txn: Txn, job_id: int, task_id: int) -> Tracked | None:
     key = (job_id, task_id)
     if key not in loaded.tasks:
         params = {"ids": [job_id], "keys": [key]}
-        row = (await txn.session.execute(LOAD_TASKS.with_for_update(), params)).first()
-        loaded.tasks[key] = None if row is None else loaded.task(row)
+        rows = values_of(await txn.session.execute(LOAD_TASKS.with_for_update(), params))
+        loaded.tasks[key] = loaded.task(rows[0]) if rows else None
     return loaded.tasks[key]
 
 
@@ -440,8 +434,8 @@ async def _record_attempt(
     loaded = _loaded(txn)
     if key not in loaded.attempts:
         params = {"ids": [key[0]], "keys": [key]}
-        row = (await txn.session.execute(LOAD_ATTEMPTS, params)).first()
-        loaded.attempts[key] = None if row is None else txn.track(ATTEMPTS, row)
+        rows = values_of(await txn.session.execute(LOAD_ATTEMPTS, params))
+        loaded.attempts[key] = txn.track(ATTEMPTS, rows[0]) if rows else None
     attempt = loaded.attempts[key]
     if attempt is None:
         if new != S.RUNNING and not report.HasField("exit_code"):
@@ -508,7 +502,7 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     if job_id in loaded.unfinished:
         unfinished = loaded.unfinished[job_id]
     else:
-        rows = (await txn.session.execute(UNFINISHED_TASKS, {"ids": [job_id]})).all()
+        rows = values_of(await txn.session.execute(UNFINISHED_TASKS, {"ids": [job_id]}))
         unfinished = [loaded.task(row) for row in rows]
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
@@ -545,7 +539,7 @@ async def release(
     to RECOVERING, since its cluster's state is unknown (SPEC §9). Conditional
     UPDATEs only: a job already moved on is left alone.
     """
-    # Ids go in chunks: a database takes a bounded number of parameters per statement.
+    # Ids go in chunks (`chunked`): each statement's list stays bounded.
     scopes: list[list[Any]] = [[]]
     if job_ids is not None:
         scopes = [[in_ids(JOBS.c.id, values=chunk)] for chunk in chunked(list(job_ids))]

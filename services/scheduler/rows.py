@@ -23,8 +23,15 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Insert, Table, Update, bindparam, insert, update
+from sqlalchemy import Insert, Result, Table, Update, bindparam, insert, update
 from sqlalchemy.ext.asyncio import AsyncSession
+
+
+def values_of(result: Result[Any]) -> list[dict[str, Any]]:
+    """A result's rows as plain values, its column names read once for them all
+    (`Row._asdict` builds them again for every row: ~6.4 us a row against ~1.7)."""
+    keys = list(result.keys())
+    return [dict(zip(keys, row, strict=True)) for row in result]
 
 
 class Tracked:

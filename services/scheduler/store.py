@@ -244,10 +244,9 @@ class Txn:
     # statement that may read or move them, and before the commit.
     tracked: list[Tracked] = dataclasses.field(default_factory=list)
 
-    def track(self, table: Table, row: Row[Any], keys: Sequence[str] | None = None) -> Tracked:
-        """A row read in this transaction, as a `Tracked` row it writes back. `keys` (its
-        result's, read once for all its rows) saves building them again for each row."""
-        values = dict(zip(keys, row, strict=True)) if keys is not None else row._asdict()
+    def track(self, table: Table, values: dict[str, Any]) -> Tracked:
+        """A row read in this transaction (`rows.values_of`), as a `Tracked` row it writes
+        back."""
         tracked = Tracked(table, values)
         self.tracked.append(tracked)
         return tracked
