@@ -76,7 +76,6 @@ class Cancels:
                         cancel_requested=True,
                     )
                     .returning(JobRow.id, JobRow.schedule_state, JobRow.current_task),
-                    execution_options={"synchronize_session": False},
                 )
             ).all()
             # The schedule state returned is the new one (DONE); every row came from
@@ -95,7 +94,6 @@ class Cancels:
                     .returning(
                         JobRow.id, JobRow.status, JobRow.schedule_state, JobRow.current_task
                     ),
-                    execution_options={"synchronize_session": False},
                 )
             ).all()
             for job_id, status, state, task in newly:

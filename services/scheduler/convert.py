@@ -10,7 +10,6 @@ from google.protobuf import timestamp_pb2
 from sqlalchemy import Row
 
 from managedjobs.v1 import job_pb2
-from services.scheduler.models import EventRow
 
 _EPOCH = dt.datetime(1970, 1, 1)
 _EPOCH_UTC = _EPOCH.replace(tzinfo=dt.UTC)
@@ -109,7 +108,7 @@ class NewEvent(NamedTuple):
     epoch: int = 0
 
 
-def event_message(row: EventRow | NewEvent) -> job_pb2.JobEvent:
+def event_message(row: Row[Any] | NewEvent) -> job_pb2.JobEvent:
     event = job_pb2.JobEvent(
         event_id=row.id,
         job_id=row.job_id,

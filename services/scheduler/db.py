@@ -39,13 +39,9 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.ext.asyncio import (
-    AsyncEngine,
-    AsyncSession,
-    async_sessionmaker,
-    create_async_engine,
-)
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from services.scheduler.session import Session
 from services.scheduler.sqlite_checkpoint import Checkpointer
 from services.scheduler.sqlite_inline import engine_url, inline_connector
 from services.scheduler.sqlite_thread import thread_connector
@@ -98,7 +94,7 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_ms: int = 10_000) 
 def _sqlite_engine(
     url: str, begin: str, inline: bool = False, gate: WriteGate | None = None, **pool: Any
 ) -> AsyncEngine:
-    # No reset-on-return ROLLBACK: every session ends its own transaction, and on the
+    # No reset-on-return ROLLBACK: every transaction ends itself (`_transaction`), and on the
     # worker thread each statement is a round trip worth saving.
     busy_ms = INLINE_BUSY_MS if inline else 10_000
     path = make_url(url).database or ""
@@ -119,7 +115,7 @@ def _sqlite_engine(
 
 @dataclasses.dataclass
 class Database:
-    """Session factories for reads and writes over one database."""
+    """Transactions for reads and writes over one database (`session.Session`)."""
 
     url: str
     write_engine: AsyncEngine
@@ -157,7 +153,7 @@ class Database:
         return self.url.startswith("sqlite")
 
     @asynccontextmanager
-    async def write(self, urgent: bool = False) -> AsyncIterator[AsyncSession]:
+    async def write(self, urgent: bool = False) -> AsyncIterator[Session]:
         """A write transaction: committed on exit, rolled back on error.
 
         `urgent` (a client waiting) goes before waiting background work
@@ -165,27 +161,23 @@ class Database:
         work on the worker thread.
         """
         if self.gate is None:
-            async with self._writer() as session, session.begin():
+            async with _transaction(self.write_engine, inline=False) as session:
                 yield session
             return
-        sessions = self._inline_writer if urgent else self._writer
-        async with self.gate.turn(urgent), sessions() as session, session.begin():
+        inline = urgent and self.inline_engine is not None
+        engine = self.inline_engine if inline and self.inline_engine else self.write_engine
+        async with self.gate.turn(urgent), _transaction(engine, inline) as session:
             yield session
 
     @asynccontextmanager
-    async def read(self) -> AsyncIterator[AsyncSession]:
-        async with self._reader() as session, session.begin():
+    async def read(self) -> AsyncIterator[Session]:
+        async with _transaction(self.read_engine, inline=self.is_sqlite) as session:
             yield session
 
     def __post_init__(self) -> None:
         writers = 1 if self.is_sqlite else self.writers
         if self.gate is None and writers:
             self.gate = WriteGate(writers)
-        self._writer = async_sessionmaker(self.write_engine, expire_on_commit=False)
-        self._inline_writer = async_sessionmaker(
-            self.inline_engine or self.write_engine, expire_on_commit=False
-        )
-        self._reader = async_sessionmaker(self.read_engine, expire_on_commit=False)
         if self.checkpointer is not None:
             committed = self.checkpointer.committed
             for engine in self.write_engines:
@@ -207,6 +199,16 @@ class Database:
             await self.read_engine.dispose()
         if self.checkpointer is not None:
             await asyncio.to_thread(self.checkpointer.close)
+
+
+@asynccontextmanager
+async def _transaction(engine: AsyncEngine, inline: bool) -> AsyncIterator[Session]:
+    """A transaction on a connection of `engine`; `inline`: its driver never waits
+    (`sqlite_inline`), so statements run on the spot (`session.py`)."""
+    async with engine.begin() as connection:
+        if connection.sync_connection is None:  # (begun: never)
+            raise RuntimeError("the connection did not start")
+        yield Session(connection.sync_connection, inline)
 
 
 def _upgrade(connection: Connection) -> None:

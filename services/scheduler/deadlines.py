@@ -96,7 +96,6 @@ class PendingDeadlines:
                         failure_reason=f"max_pending exceeded while {why}",
                     )
                     .returning(JobRow.id),
-                    execution_options={"synchronize_session": False},
                 )
             ).all()
             ids = [int(r[0]) for r in rows]

@@ -561,7 +561,6 @@ async def release(
                     .where(*where, JobRow.schedule_state == old)
                     .values(controller_id=None, schedule_state=schedule_transition(old, new))
                     .returning(JobRow.id, JobRow.epoch, JobRow.status, JobRow.current_task),
-                    execution_options={"synchronize_session": False},
                 )
             ).all()
             released += [(int(i), int(e), old, new, S(s), int(t)) for i, e, s, t in rows]
@@ -575,7 +574,6 @@ async def release(
             update(JobRow)
             .where(in_ids(JOBS.c.id, values=chunk), JobRow.status == S.STARTING)
             .values(status=S.RECOVERING),
-            execution_options={"synchronize_session": False},
         )
     for job_id, epoch, old, new, status, task in released:
         shown = S.RECOVERING if job_id in recovering and status == S.STARTING else status

@@ -24,7 +24,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import Insert, Result, Table, Update, bindparam, insert, update
-from sqlalchemy.ext.asyncio import AsyncSession
+
+from services.scheduler.session import Session
 
 
 def values_of(result: Result[Any]) -> list[dict[str, Any]]:
@@ -72,7 +73,7 @@ def _default(column: Any) -> Any:
     return default.arg if default is not None and default.is_scalar else None
 
 
-async def write_back(session: AsyncSession, rows: Iterable[Tracked | None]) -> None:
+async def write_back(session: Session, rows: Iterable[Tracked | None]) -> None:
     """Writes the new and changed ones of `rows` in `session`'s transaction; they are then
     as stored (unchanged, not new)."""
     inserts: dict[Table, list[dict[str, Any]]] = {}

@@ -12,9 +12,10 @@ makes one trip to its worker thread per statement (`sqlite_thread.py`).
 asynchronous, so that `create_async_engine` takes it; its connections come from
 the engine's `creator`. Through an `AsyncSession`, a statement run on the event
 loop's thread cost ~115 us this way against ~180 us through aiosqlite's dialect
-(a 2-core machine; the statement itself takes a few microseconds). Statements go
-through sessions: `AsyncConnection.execute` insists that a statement await something
-and refuses the inline connections.
+(a 2-core machine; the statement itself takes a few microseconds). The store runs
+its statements on these connections' synchronous core directly, without a
+greenlet (`session.py`): `AsyncConnection.execute` insists that a statement await
+something and refuses them.
 
 A read never waits for a lock (WAL: readers do not block the writer, nor the
 writer them), and a client's write waits for none either (the scheduler's writes

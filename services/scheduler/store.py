@@ -36,7 +36,6 @@ from typing import Any, NamedTuple, TypeVar
 
 from sqlalchemy import Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.ext.asyncio import AsyncSession
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
@@ -58,11 +57,11 @@ from services.scheduler.models import (
     JOBS,
     SECRETS,
     TASKS,
-    EventRow,
     JobRow,
     TaskRow,
 )
 from services.scheduler.rows import Tracked, write_back
+from services.scheduler.session import Session
 from services.scheduler.spec import resources_summary
 
 log = logging.getLogger(__name__)
@@ -134,6 +133,7 @@ class Queued(NamedTuple):
 # session runs them as plain Core statements. Lists of ids are one JSON parameter each
 # (`id_lists.in_ids`): one statement text whatever the list's length.
 J = JOBS.c
+E = EVENTS.c
 IDS = ids_param("ids")
 
 
@@ -232,7 +232,7 @@ class StaleReport(Exception):
 class Txn:
     """One write transaction: its session, its clock reading, what it wrote."""
 
-    session: AsyncSession
+    session: Session
     now: dt.datetime
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     moves: list[Move] = dataclasses.field(default_factory=list)
@@ -338,7 +338,6 @@ async def set_task_statuses(
             query = query.where(TaskRow.task_id == task_id)
         rows = await txn.session.execute(
             query.values(status=new, **values).returning(TaskRow.job_id, TaskRow.task_id),
-            execution_options={"synchronize_session": False},
         )
         moved += [(int(j), int(t)) for j, t in rows.all()]
     return moved
@@ -557,18 +556,18 @@ class Store:
     async def events_after(
         self, after_id: int, job_ids: Iterable[int] = (), user: str = "", limit: int = 1000
     ) -> list[job_pb2.JobEvent]:
-        query = select(EventRow).where(EventRow.id > after_id).order_by(EventRow.id).limit(limit)
+        query = select(EVENTS).where(E.id > after_id).order_by(E.id).limit(limit)
         job_ids = list(job_ids)
         if job_ids:
-            query = query.where(EventRow.job_id.in_(job_ids))
+            query = query.where(E.job_id.in_(job_ids))
         if user:
-            query = query.where(EventRow.job_id.in_(select(JobRow.id).where(JobRow.user == user)))
+            query = query.where(E.job_id.in_(select(J.id).where(J.user == user)))
         async with self.db.read() as session:
-            return [convert.event_message(r) for r in await session.scalars(query)]
+            return [convert.event_message(r) for r in await session.execute(query)]
 
     async def last_event_id(self) -> int:
         async with self.db.read() as session:
-            return int(await session.scalar(select(func.max(EventRow.id))) or 0)
+            return int(await session.scalar(select(func.max(E.id))) or 0)
 
     async def job_owners(self, ids: Iterable[int]) -> dict[int, str]:
         """job_id -> user of the jobs that exist among `ids`."""
@@ -759,7 +758,7 @@ async def move_held(
 
 
 async def job_messages(
-    session: AsyncSession, job_ids: list[int], with_specs: bool = True
+    session: Session, job_ids: list[int], with_specs: bool = True
 ) -> list[job_pb2.Job]:
     """Jobs with their tasks, read as plain rows (no ORM objects: this is a hot path)."""
     jobs = (await session.execute(SELECT_JOBS, {"ids": job_ids})).all()
@@ -767,7 +766,7 @@ async def job_messages(
 
 
 async def _with_tasks(
-    session: AsyncSession, jobs: Sequence[Row[Any]], with_specs: bool
+    session: Session, jobs: Sequence[Row[Any]], with_specs: bool
 ) -> list[job_pb2.Job]:
     tasks: dict[int, list[Row[Any]]] = {}
     if jobs:
@@ -777,9 +776,7 @@ async def _with_tasks(
     return [convert.job_message(j, tasks.get(j._mapping["id"], []), with_specs) for j in jobs]
 
 
-async def _insert_events(
-    session: AsyncSession, events: list[dict[str, Any]]
-) -> list[job_pb2.JobEvent]:
+async def _insert_events(session: Session, events: list[dict[str, Any]]) -> list[job_pb2.JobEvent]:
     if not events:
         return []
     ids = (await session.scalars(INSERT_EVENTS, events)).all()
