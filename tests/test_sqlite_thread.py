@@ -4,6 +4,7 @@ none on the event loop's own connections."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -134,3 +135,30 @@ async def test_a_statement_leaves_for_the_event_loop_only_for_its_trip(
                 for _ in range(5):
                     assert (await session.execute(query)).scalar() == 0
             assert len(switches) == 5 * switches_per_statement
+
+
+async def test_a_transaction_on_the_loops_connections_never_gives_the_loop_a_turn(
+    sqlite_store: Store,
+) -> None:
+    """A read and a client's write, from the writer's turn to the connection back in
+    its pool, run without yielding: nothing else ready on the event loop runs before
+    the caller goes on (SQLAlchemy's asyncio connection closed in a task of its own
+    and resumed its caller two turns later). One that fails is rolled back just as
+    well, and its connection serves the next write."""
+    [(job_id, _)] = await sqlite_store.submit_many([new_job()])
+    db = sqlite_store.db
+    turns: list[str] = []
+    asyncio.get_running_loop().call_soon(turns.append, "a turn")
+    async with db.read() as session:
+        assert await session.scalar(select(JobRow.epoch).where(JobRow.id == job_id)) == 0
+    async with db.write(urgent=True) as session:
+        await session.execute(update(JobRow).where(JobRow.id == job_id).values(epoch=3))
+    with pytest.raises(IntegrityError):
+        async with db.write(urgent=True) as session:
+            await session.execute(update(JobRow).where(JobRow.id == job_id).values(epoch=4))
+            await session.execute(text("INSERT INTO jobs (id) VALUES (:id)"), {"id": job_id})
+    async with db.write(urgent=True) as session:
+        assert await session.scalar(select(JobRow.epoch).where(JobRow.id == job_id)) == 3
+    assert turns == []
+    await asyncio.sleep(0)
+    assert turns == ["a turn"]

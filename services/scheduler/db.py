@@ -39,7 +39,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from services.scheduler.session import Session
 from services.scheduler.sqlite_checkpoint import Checkpointer
@@ -204,11 +204,30 @@ class Database:
 @asynccontextmanager
 async def _transaction(engine: AsyncEngine, inline: bool) -> AsyncIterator[Session]:
     """A transaction on a connection of `engine`; `inline`: its driver never waits
-    (`sqlite_inline`), so statements run on the spot (`session.py`)."""
-    async with engine.begin() as connection:
-        if connection.sync_connection is None:  # (begun: never)
-            raise RuntimeError("the connection did not start")
-        yield Session(connection.sync_connection, inline)
+    (`sqlite_inline`), so statements run on the spot (`session.py`).
+
+    An inline transaction also begins, ends and gives its connection back to the pool
+    on the spot. SQLAlchemy's asyncio connection closes in a task of its own, shielded
+    from cancellation, and its caller resumes only two turns of the event loop later,
+    behind whatever else is ready there (a client's submission waited for that).
+    Nothing here can be abandoned halfway: none of it awaits.
+    """
+    if not inline:
+        async with engine.begin() as connection:
+            yield Session(_started(connection), inline)
+        return
+    sync = _started(await engine.connect().start())
+    try:
+        with sync.begin():
+            yield Session(sync, inline)
+    finally:
+        sync.close()
+
+
+def _started(connection: AsyncConnection) -> Connection:
+    if connection.sync_connection is None:  # (started: never)
+        raise RuntimeError("the connection did not start")
+    return connection.sync_connection
 
 
 def _upgrade(connection: Connection) -> None:
