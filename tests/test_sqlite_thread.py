@@ -162,3 +162,30 @@ async def test_a_transaction_on_the_loops_connections_never_gives_the_loop_a_tur
     assert turns == []
     await asyncio.sleep(0)
     assert turns == ["a turn"]
+
+
+async def test_a_background_write_ends_without_a_task_of_its_own(sqlite_store: Store) -> None:
+    """A background write's connection goes back to its pool as its COMMIT or ROLLBACK
+    returns, not in a task that hands the writer's turn on only turns of the loop
+    later; and the next background write finds it ready."""
+    [(job_id, _)] = await sqlite_store.submit_many([new_job()])
+    loop = asyncio.get_running_loop()
+    created: list[str] = []
+
+    def factory(loop: asyncio.AbstractEventLoop, coro: Any, **kwargs: Any) -> asyncio.Task[Any]:
+        created.append(getattr(coro, "__qualname__", repr(coro)))
+        return asyncio.Task(coro, loop=loop, **kwargs)
+
+    loop.set_task_factory(factory)
+    try:
+        async with sqlite_store.db.write() as session:
+            await session.execute(update(JobRow).where(JobRow.id == job_id).values(epoch=5))
+        with pytest.raises(IntegrityError):
+            async with sqlite_store.db.write() as session:
+                await session.execute(update(JobRow).where(JobRow.id == job_id).values(epoch=6))
+                await session.execute(text("INSERT INTO jobs (id) VALUES (:id)"), {"id": job_id})
+        async with sqlite_store.db.write() as session:
+            assert await session.scalar(select(JobRow.epoch).where(JobRow.id == job_id)) == 5
+    finally:
+        loop.set_task_factory(None)
+    assert created == []

@@ -161,17 +161,18 @@ class Database:
         work on the worker thread.
         """
         if self.gate is None:
-            async with _transaction(self.write_engine, inline=False) as session:
+            async with _transaction(self.write_engine, False, self.is_sqlite) as session:
                 yield session
             return
         inline = urgent and self.inline_engine is not None
         engine = self.inline_engine if inline and self.inline_engine else self.write_engine
-        async with self.gate.turn(urgent), _transaction(engine, inline) as session:
+        transaction = _transaction(engine, inline, self.is_sqlite)
+        async with self.gate.turn(urgent), transaction as session:
             yield session
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[Session]:
-        async with _transaction(self.read_engine, inline=self.is_sqlite) as session:
+        async with _transaction(self.read_engine, self.is_sqlite, self.is_sqlite) as session:
             yield session
 
     def __post_init__(self) -> None:
@@ -202,26 +203,33 @@ class Database:
 
 
 @asynccontextmanager
-async def _transaction(engine: AsyncEngine, inline: bool) -> AsyncIterator[Session]:
+async def _transaction(engine: AsyncEngine, inline: bool, sqlite: bool) -> AsyncIterator[Session]:
     """A transaction on a connection of `engine`; `inline`: its driver never waits
-    (`sqlite_inline`), so statements run on the spot (`session.py`).
+    (`sqlite_inline`), so statements run on the spot (`session.py`), and so do its
+    BEGIN and its COMMIT or ROLLBACK.
 
-    An inline transaction also begins, ends and gives its connection back to the pool
-    on the spot. SQLAlchemy's asyncio connection closes in a task of its own, shielded
-    from cancellation, and its caller resumes only two turns of the event loop later,
-    behind whatever else is ready there (a client's submission waited for that).
-    Nothing here can be abandoned halfway: none of it awaits.
+    On SQLite the connection then goes back to its pool on the spot too: nothing is
+    left to wait for (no transaction open, no ROLLBACK on return). SQLAlchemy's
+    asyncio connection closes in a task of its own, shielded from cancellation, and
+    its caller resumed two turns of the event loop later, behind whatever else was
+    ready there, still holding the writer's turn (a client's submission waited for
+    that). A transaction cut short while it ended (cancelled during its COMMIT on the
+    worker thread) is closed SQLAlchemy's way, which rolls it back.
     """
-    if not inline:
-        async with engine.begin() as connection:
-            yield Session(_started(connection), inline)
-        return
-    sync = _started(await engine.connect().start())
+    connection = await engine.connect().start()
+    sync = _started(connection)
     try:
-        with sync.begin():
-            yield Session(sync, inline)
+        if inline:
+            with sync.begin():
+                yield Session(sync, inline)
+        else:
+            async with connection.begin():
+                yield Session(sync, inline)
     finally:
-        sync.close()
+        if sqlite and not sync.in_transaction():
+            sync.close()
+        else:
+            await connection.__aexit__(None, None, None)
 
 
 def _started(connection: AsyncConnection) -> Connection:
