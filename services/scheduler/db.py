@@ -28,6 +28,7 @@ Migrations (alembic) run at start, on the same driver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncIterator
@@ -160,19 +161,14 @@ class Database:
         (`write_gate.py`); on SQLite it runs on the event loop's thread, background
         work on the worker thread.
         """
-        if self.gate is None:
-            async with _transaction(self.write_engine, False, self.is_sqlite) as session:
-                yield session
-            return
-        inline = urgent and self.inline_engine is not None
-        engine = self.inline_engine if inline and self.inline_engine else self.write_engine
-        transaction = _transaction(engine, inline, self.is_sqlite)
-        async with self.gate.turn(urgent), transaction as session:
+        engine = self.inline_engine if urgent and self.inline_engine else self.write_engine
+        turn = self.gate.turn(urgent) if self.gate else contextlib.nullcontext()
+        async with turn, _transaction(engine, inline=engine is self.inline_engine) as session:
             yield session
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[Session]:
-        async with _transaction(self.read_engine, self.is_sqlite, self.is_sqlite) as session:
+        async with _transaction(self.read_engine, inline=self.is_sqlite) as session:
             yield session
 
     def __post_init__(self) -> None:
@@ -203,7 +199,7 @@ class Database:
 
 
 @asynccontextmanager
-async def _transaction(engine: AsyncEngine, inline: bool, sqlite: bool) -> AsyncIterator[Session]:
+async def _transaction(engine: AsyncEngine, inline: bool) -> AsyncIterator[Session]:
     """A transaction on a connection of `engine`; `inline`: its driver never waits
     (`sqlite_inline`), so statements run on the spot (`session.py`), and so do its
     BEGIN and its COMMIT or ROLLBACK.
@@ -226,7 +222,7 @@ async def _transaction(engine: AsyncEngine, inline: bool, sqlite: bool) -> Async
             async with connection.begin():
                 yield Session(sync, inline)
     finally:
-        if sqlite and not sync.in_transaction():
+        if engine.dialect.name == "sqlite" and not sync.in_transaction():
             sync.close()
         else:
             await connection.__aexit__(None, None, None)
