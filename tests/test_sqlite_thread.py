@@ -103,13 +103,13 @@ async def test_a_failed_statement_rolls_its_transaction_back_and_the_writer_goes
 
 
 @contextmanager
-def greenlet_switches() -> Iterator[list[str]]:
-    """Every greenlet switch while the block runs (SQLAlchemy's asyncio extension runs
-    its synchronous core in a greenlet and leaves it to await the driver)."""
-    seen: list[str] = []
+def greenlet_switches() -> Iterator[list[tuple[str, greenlet.greenlet]]]:
+    """Every greenlet switch while the block runs, and the greenlet it went to
+    (SQLAlchemy's synchronous core runs in a greenlet, left to await the driver)."""
+    seen: list[tuple[str, greenlet.greenlet]] = []
 
-    def trace(event: str, _args: Any) -> None:
-        seen.append(event)
+    def trace(event: str, args: Any) -> None:
+        seen.append((event, args[1]))
 
     previous = greenlet.settrace(trace)
     try:
@@ -125,7 +125,9 @@ async def test_a_statement_leaves_for_the_event_loop_only_for_its_trip(
     where it is called, with no greenlet at all (`session.py`). On the worker's, it
     runs in SQLAlchemy's greenlet, which it leaves once, for its trip to the thread:
     into the greenlet, out to wait, back in, and out with the answer, four switches
-    (the aiosqlite dialect's cursor waited three to four times per statement)."""
+    (the aiosqlite dialect's cursor waited three to four times per statement). The
+    greenlet is the same for every statement and every transaction (`greenlets.py`:
+    SQLAlchemy's own makes a new one per call)."""
     [(job_id, _)] = await sqlite_store.submit_many([new_job()])
     query = select(JobRow.epoch).where(JobRow.id == job_id)
     for write, switches_per_statement in ((sqlite_store.db.read, 0), (sqlite_store.db.write, 4)):
@@ -135,6 +137,13 @@ async def test_a_statement_leaves_for_the_event_loop_only_for_its_trip(
                 for _ in range(5):
                     assert (await session.execute(query)).scalar() == 0
             assert len(switches) == 5 * switches_per_statement
+    main = greenlet.getcurrent()
+    with greenlet_switches() as switches:
+        for _ in range(3):
+            async with sqlite_store.db.write() as session:
+                assert (await session.execute(query)).scalar() == 0
+    runners = {target for _, target in switches if target is not main}
+    assert len(switches) >= 3 * 4 and len(runners) == 1
 
 
 async def test_a_transaction_on_the_loops_connections_never_gives_the_loop_a_turn(

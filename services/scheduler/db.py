@@ -31,7 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -40,8 +40,9 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, make_url
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from services.scheduler.greenlets import run
 from services.scheduler.session import Session
 from services.scheduler.sqlite_checkpoint import Checkpointer
 from services.scheduler.sqlite_inline import engine_url, inline_connector
@@ -202,7 +203,8 @@ class Database:
 async def _transaction(engine: AsyncEngine, inline: bool) -> AsyncIterator[Session]:
     """A transaction on a connection of `engine`; `inline`: its driver never waits
     (`sqlite_inline`), so statements run on the spot (`session.py`), and so do its
-    BEGIN and its COMMIT or ROLLBACK.
+    BEGIN and its COMMIT or ROLLBACK. Elsewhere each runs in a greenlet that awaits
+    the driver (`greenlets.py`), as SQLAlchemy's asyncio connection runs them.
 
     On SQLite the connection then goes back to its pool on the spot too: nothing is
     left to wait for (no transaction open, no ROLLBACK on return). SQLAlchemy's
@@ -210,28 +212,44 @@ async def _transaction(engine: AsyncEngine, inline: bool) -> AsyncIterator[Sessi
     its caller resumed two turns of the event loop later, behind whatever else was
     ready there, still holding the writer's turn (a client's submission waited for
     that). A transaction cut short while it ended (cancelled during its COMMIT on the
-    worker thread) is closed SQLAlchemy's way, which rolls it back.
+    worker thread), and every one on PostgreSQL (its pool sends a ROLLBACK as the
+    connection returns), is closed that way.
     """
-    connection = await engine.connect().start()
-    sync = _started(connection)
+    sync = await run(engine.sync_engine.connect)
     try:
         if inline:
             with sync.begin():
                 yield Session(sync, inline)
         else:
-            async with connection.begin():
+            transaction = (await run(sync.begin)).__enter__()
+            try:
                 yield Session(sync, inline)
+            except BaseException as error:
+                await run(transaction.__exit__, type(error), error, error.__traceback__)
+                raise
+            await run(transaction.__exit__, None, None, None)
     finally:
         if engine.dialect.name == "sqlite" and not sync.in_transaction():
             sync.close()
         else:
-            await connection.__aexit__(None, None, None)
+            await _to_completion(run(sync.close))
 
 
-def _started(connection: AsyncConnection) -> Connection:
-    if connection.sync_connection is None:  # (started: never)
-        raise RuntimeError("the connection did not start")
-    return connection.sync_connection
+async def _to_completion(closing: Coroutine[Any, Any, None]) -> None:
+    """Awaits `closing` in a task of its own, to its end even if the caller is cancelled
+    meanwhile (the cancellation is raised after it)."""
+    task = asyncio.ensure_future(closing)
+    cancelled: asyncio.CancelledError | None = None
+    while not task.done():
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError as error:
+            if task.done():
+                raise
+            cancelled = error
+    task.result()
+    if cancelled is not None:
+        raise cancelled
 
 
 def _upgrade(connection: Connection) -> None:

@@ -11,8 +11,8 @@ A `Session` runs each statement on the connection's synchronous core. On the
 event loop's own SQLite connections (`sqlite_inline`), whose driver calls never
 wait for anything, it runs on the spot; on the others (SQLite's worker thread,
 asyncpg) in a greenlet that awaits the driver, as SQLAlchemy's asyncio extension
-runs them. Rows are fetched by the driver as the statement runs, so a result is
-read after without awaiting.
+runs them, but in one kept for the next call (`greenlets.py`). Rows are fetched
+by the driver as the statement runs, so a result is read after without awaiting.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any, TypeVarTuple, overload
 from sqlalchemy import Executable, Result, ScalarResult
 from sqlalchemy.engine import Connection
 from sqlalchemy.sql.selectable import TypedReturnsRows
-from sqlalchemy.util import greenlet_spawn
+
+from services.scheduler.greenlets import run
 
 Parameters = dict[str, Any] | list[dict[str, Any]] | None
 Ts = TypeVarTuple("Ts")
@@ -48,7 +49,7 @@ class Session:
     ) -> Result[*tuple[Any, ...]]:
         if self._inline:
             return self._connection.execute(statement, parameters)
-        return await greenlet_spawn(self._connection.execute, statement, parameters)
+        return await run(self._connection.execute, statement, parameters)
 
     async def scalars(
         self, statement: Executable, parameters: Parameters = None
