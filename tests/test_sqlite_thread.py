@@ -5,8 +5,11 @@ none on the event loop's own connections."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import aiosqlite
@@ -17,7 +20,10 @@ from sqlalchemy.exc import IntegrityError
 from test_store import new_job
 
 from services.common.statuses import ScheduleState
+from services.scheduler.db import Database
+from services.scheduler.events import EventBus
 from services.scheduler.models import JobRow
+from services.scheduler.sqlite_checkpoint import Checkpointer
 from services.scheduler.store import Store
 
 St = ScheduleState
@@ -198,3 +204,46 @@ async def test_a_background_write_ends_without_a_task_of_its_own(sqlite_store: S
     finally:
         loop.set_task_factory(None)
     assert created == []
+
+
+async def test_writes_hold_sqlites_writer_from_their_start_and_each_commit_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both writers' transactions open with BEGIN IMMEDIATE: SQLite's write lock is
+    theirs before their first statement, so what a write reads stays true until it
+    commits; a read's does not take it. Every COMMIT of either writer, and nothing else,
+    counts toward the next checkpoint (`sqlite_checkpoint.py`)."""
+    counted: list[str] = []
+    monkeypatch.setattr(Checkpointer, "committed", lambda self: counted.append("commit"))
+    path = tmp_path / "locks.db"
+    db = Database.open(f"sqlite:///{path}")
+    await db.migrate()
+    store = Store(db, EventBus())
+    [(job_id, _)] = await store.submit_many([new_job()])
+    other = sqlite3.connect(path, timeout=0, isolation_level=None)
+    try:
+
+        def writer_free() -> bool:
+            try:
+                other.execute("BEGIN IMMEDIATE")
+            except sqlite3.OperationalError as error:
+                assert "locked" in str(error)
+                return False
+            other.execute("ROLLBACK")
+            return True
+
+        counted.clear()
+        for write in (functools.partial(db.write, urgent=True), db.write):
+            async with write():
+                assert not writer_free()
+            assert writer_free()
+        async with db.read() as session:
+            assert await session.scalar(select(JobRow.epoch).where(JobRow.id == job_id)) == 0
+            assert writer_free()
+        with pytest.raises(IntegrityError):
+            async with db.write() as session:
+                await session.execute(text("INSERT INTO jobs (id) VALUES (:id)"), {"id": job_id})
+        assert counted == ["commit", "commit"]
+    finally:
+        other.close()
+        await db.close()

@@ -45,7 +45,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from services.scheduler.greenlets import run
 from services.scheduler.session import Session
 from services.scheduler.sqlite_checkpoint import Checkpointer
-from services.scheduler.sqlite_inline import engine_url, inline_connector
+from services.scheduler.sqlite_inline import SQLiteDialect, engine_url, inline_connector
 from services.scheduler.sqlite_thread import thread_connector
 from services.scheduler.write_gate import WriteGate
 
@@ -107,12 +107,15 @@ def _sqlite_engine(
         pool["creator"] = thread_connector(path, busy_ms / 1000, client_waits)
     engine = create_async_engine(engine_url(path), pool_reset_on_return=None, **pool)
     event.listen(engine.sync_engine, "connect", functools.partial(_sqlite_pragmas, busy_ms=busy_ms))
-
-    @event.listens_for(engine.sync_engine, "begin")
-    def _begin(conn: Connection) -> None:
-        conn.exec_driver_sql(begin)
-
+    _dialect(engine).begin_statement = begin
     return engine
+
+
+def _dialect(engine: AsyncEngine) -> SQLiteDialect:
+    dialect = engine.dialect
+    if not isinstance(dialect, SQLiteDialect):
+        raise TypeError(f"not an engine of the scheduler's SQLite dialect: {engine.url}")
+    return dialect
 
 
 @dataclasses.dataclass
@@ -177,9 +180,8 @@ class Database:
         if self.gate is None and writers:
             self.gate = WriteGate(writers)
         if self.checkpointer is not None:
-            committed = self.checkpointer.committed
             for engine in self.write_engines:
-                event.listen(engine.sync_engine, "commit", lambda _conn: committed())
+                _dialect(engine).on_commit = self.checkpointer.committed
 
     async def migrate(self) -> None:
         """Brings the schema to the newest alembic revision."""
