@@ -81,7 +81,7 @@ INLINE_BUSY_MS = 100
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any, busy_ms: int = 10_000) -> None:
-    # Let SQLAlchemy's "begin" hook emit BEGIN itself.
+    # Autocommit mode: the dialect sends each transaction's BEGIN itself (`SQLiteDialect.do_begin`).
     dbapi_connection.isolation_level = None
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA journal_mode=WAL")
