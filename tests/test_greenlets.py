@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import gc
+import weakref
 
 import greenlet
 import pytest
@@ -107,3 +109,30 @@ async def test_the_call_sees_its_callers_context() -> None:
         return await run(user.get)
 
     assert await asyncio.gather(as_user("alice"), as_user("bob")) == ["alice", "bob"]
+
+
+async def test_an_idle_greenlet_keeps_nothing_of_its_last_call_alive() -> None:
+    class Rows:
+        pass
+
+    def fetch() -> Rows:
+        return Rows()
+
+    rows = await run(fetch)
+    kept = weakref.ref(rows)
+    del rows
+    gc.collect()
+    assert kept() is None
+
+    def fails() -> None:
+        raise LookupError(Rows())
+
+    with pytest.raises(LookupError) as raised:
+        await run(fails)
+    kept = weakref.ref(raised.value.args[0])
+    del raised
+    gc.collect()
+    assert kept() is None
+
+    runner = await run(where)
+    assert runner.gr_context is None  # not the last caller's context, with its variables

@@ -83,8 +83,12 @@ async def run(fn: Callable[..., T], *args: Any) -> T:
             result = runner.throw(*sys.exc_info())
         else:
             result = runner.switch(value)
+    # Idle, the runner keeps nothing of this call alive: not the caller's context, and
+    # not what `result` (which its frame holds until its next call) carried.
+    runner.gr_context = None
     idle.append(runner)
-    if result.error is not None:
-        error, result.error = result.error, None
+    value, error = result.value, result.error
+    result.value = result.error = None
+    if error is not None:
         raise error
-    return cast(T, result.value)
+    return cast(T, value)
