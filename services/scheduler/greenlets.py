@@ -56,20 +56,19 @@ def _serve(fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         fn, args = caller.switch(ended)
 
 
-_idle = threading.local()
+class _Idle(threading.local):
+    """Each thread's idle runners (a greenlet only ever runs on the thread that made it)."""
+
+    def __init__(self) -> None:
+        self.runners: list[_Runner] = []
 
 
-def _runners() -> list[_Runner]:
-    try:
-        return cast(list[_Runner], _idle.runners)
-    except AttributeError:
-        _idle.runners = []
-        return cast(list[_Runner], _idle.runners)
+_idle = _Idle()
 
 
 async def run(fn: Callable[..., T], *args: Any) -> T:
     """`fn(*args)`, where SQLAlchemy's `await_` may wait for the event loop."""
-    idle = _runners()
+    idle = _idle.runners
     current = getcurrent()
     runner = idle.pop() if idle else _Runner(_serve)
     if runner.parent is not current:
