@@ -12,8 +12,8 @@ each assignment arrives), then measures:
 - submit -> launch-granted latency (the assignment reaching the replica) p50/p99,
   submitting one job at a time with spare capacity.
 Prints one JSON line per database and mode, the secured modes with their
-throughput relative to `none` (`cost_vs_none`, SPEC §14: under 10%). Targets
-(SPEC §15): >= 2,000/s, p99 <= 50 ms. With single calls each line also gives
+throughput relative to `none` (`cost_vs_none`, contract §14: under 10%). Targets
+(contract §15): >= 2,000/s, p99 <= 50 ms. With single calls each line also gives
 the floor gRPC itself sets on this machine (`empty_handler_floor`): the same
 callers against a server whose `SubmitJob` answers at once, with no
 authentication and no database, and that server's CPU per call.

@@ -8,7 +8,7 @@ how long cancelling all at once took to the last CANCELLED, and the CPU each
 process spent per job meanwhile (`cpu_ms_per_cancel`; "bench" is this process,
 watching every event with a batched WatchJobs, as the CLI does: a CANCELLED event
 counts from when its response arrives).
-Target (SPEC §15): cancel takes effect p99 <= 1 s.
+Target (contract §15): cancel takes effect p99 <= 1 s.
 
 The jobs set `grace_period: 0.01`: a sim task never exits on SIGTERM by itself, so
 with the default grace every cancel would wait the whole grace (30 s) before

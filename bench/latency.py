@@ -10,7 +10,7 @@ replica), then:
   once through an asyncio channel (as the services call each other), once
   through the blocking channel `mj` uses (`sequential_submit_mj_client`, with
   this process's own CPU as "bench").
-Targets (SPEC §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
+Targets (contract §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
 
     .venv/bin/python bench/latency.py [--jobs 200] [--gaps 0.5,0.05] [--sequential 300]
     (`--gaps ''`: the sequential client alone)

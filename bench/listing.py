@@ -7,7 +7,7 @@ queued: bench/system.py), fills it with N jobs through SubmitJobs, and measures:
 - `mj queue --all` over the first size: the wall time until it has printed every job;
 - WatchJobs with W watchers (1,000 by default) of every job: from a submission to
   the last watcher receiving its event.
-Targets (SPEC §15): a page <= 200 ms; `mj queue --all` over 20,000 jobs <= 2 s.
+Targets (contract §15): a page <= 200 ms; `mj queue --all` over 20,000 jobs <= 2 s.
 
     .venv/bin/python bench/listing.py [--sizes 10000,100000] [--mj-jobs 20000] [--watchers 1000]
 """

@@ -13,7 +13,7 @@ before, submits N long jobs as fast as the API takes them, and reports:
 - with --drain, SIGTERM to one replica: how long until its process was gone, how
   long until the other replicas held its jobs, still RUNNING (needs --replicas 2
   or more), and the CPU seconds each process spent meanwhile.
-Targets (SPEC §15): 2,000 jobs all RUNNING in <= 5 s with one replica; 20,000 in
+Targets (contract §15): 2,000 jobs all RUNNING in <= 5 s with one replica; 20,000 in
 <= 60 s with the replica <= 1 GiB and <= 5% of a core idle; scheduler <= 3 ms
 CPU per job; a drain of 20,000 jobs in <= 5 s, resumed within lease TTL + 2 s.
 

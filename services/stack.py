@@ -11,7 +11,7 @@ that node pools file. The end-to-end tests start the same topology through `Stac
 the reliability tests break it one process at a time through `Service`: kill
 (SIGKILL), pause and resume (SIGSTOP, SIGCONT), restart with the same arguments.
 
-Security is on as in production (SPEC §14). On first start the stack writes the
+Security is on as in production (contract §14). On first start the stack writes the
 tokens file (`DATA_DIR/tokens.yaml`) with an admin token for the local user, one
 token per controller replica bound to its id and a service token for the logs
 service, keeping the plain tokens in `DATA_DIR/secrets/` (mode 0600): each
@@ -22,7 +22,7 @@ with TLS and mTLS: each replica's certificate names its controller id, and
 clients present `admin.pem`. Tests talk to a stack through `client_security`,
 `channel()` and `client_env()`.
 
-Starting fails fast (SPEC §19): a service that exits while the stack starts (a bad
+Starting fails fast (contract §19): a service that exits while the stack starts (a bad
 setting: an unknown backend, an unreadable config, a port another process holds)
 is reported at once with its own error line, and every service already started is
 stopped, so nothing is left running for the next `make up` to trip over.
@@ -238,7 +238,7 @@ class Service:
 
 
 class Stack:
-    """The topology of SPEC §13 as local processes, on the ports given or free ones."""
+    """The topology of contract §13 as local processes, on the ports given or free ones."""
 
     def __init__(
         self,

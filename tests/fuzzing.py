@@ -1,4 +1,4 @@
-"""Hostile requests for every RPC, generated from the proto descriptors (SPEC §19).
+"""Hostile requests for every RPC, generated from the proto descriptors (contract §19).
 
 `attempts(method)` is a hypothesis strategy of calls to one RPC of `access.POLICY`.
 Requests are built by walking each message's `DESCRIPTOR.fields`: every field is

@@ -9,7 +9,7 @@ returns every `Violation` it finds, each naming its job and the evidence (event
 ids, cluster ids, times relative to the first record), so that a failed run can be
 explained without its processes. It is pure: no I/O, no clock, no processes.
 
-What the checker relies on (the event log's contract, SPEC §4, §5, §8, §9):
+What the checker relies on (the event log's contract, contract §4, §5, §8, §9):
 
 - a task status change reported by a replica is an event whose `status` is the
   task's new status, `task_id` the task, and `epoch` the reporting replica's
@@ -34,12 +34,12 @@ The violation kinds (`Kind`) and what each one means:
 - `terminal_status`: the job did not end DONE exactly once, ended in a status that
   is not terminal, left a task without a terminal status, or changed a task's
   terminal status (only a later FAILED_CONTROLLER whose message says the cleanup
-  failed is allowed, SPEC §4).
+  failed is allowed, contract §4).
 - `cancel_not_honoured`: a cancel was accepted while the job was not terminal
   (by the replicas' reports before it in the log: no task failed or was cancelled,
   and not every task the log names had succeeded) and the job ended other than
   CANCELLED. Decisions: FAILED_CONTROLLER is allowed only when an event of the
-  job says the cleanup failed (SPEC §4: resources may have leaked). A job whose
+  job says the cleanup failed (contract §4: resources may have leaked). A job whose
   last task's run had already ended with exit 0 on the cloud (the inventory) when
   the cancel was accepted may end SUCCEEDED: a cancel stops work, it cannot undo
   work done, and the SUCCEEDED report was on its way.
@@ -63,7 +63,7 @@ The violation kinds (`Kind`) and what each one means:
   terminate the sim cloud had to refuse as stale: the controller's own fencing
   must stop stale calls before the cloud's fencing has to.
 - `controller_failed`: a task ended FAILED_CONTROLLER without a recorded cleanup
-  failure: by SPEC §4, our bug.
+  failure: by contract §4, our bug.
 - `counter_drift`: at a quiescent point the scheduler's counters differ from a
   recount of its jobs table.
 - `cluster_left`: a cluster of a finished (or unknown) job was never terminated.

@@ -1,10 +1,10 @@
 """The reliability harness: the whole system on PostgreSQL and the sim cloud, chaos, and proof.
 
 Used by `tests/test_reliability.py` (in CI) and `bench/chaos.py` (1,000 jobs). It
-starts the topology of SPEC §13 as real processes (`services.stack.Stack`) on a
+starts the topology of contract §13 as real processes (`services.stack.Stack`) on a
 fresh PostgreSQL database and a seeded three-region sim cloud, drives it only
 through its public APIs (JobService, SchedulerService, ControllerService,
-grpc.health.v1 and the sim cloud's operator API), and judges it by what SPEC §9
+grpc.health.v1 and the sim cloud's operator API), and judges it by what contract §9
 and §16 promise, from the durable record alone: `collect_history` reads the
 database's whole event log (with epochs) once the system is quiet, the sim cloud's
 inventory (who launched each cluster, with which epoch, and when it was preempted
@@ -146,7 +146,7 @@ class Database:
     """Reads the scheduler's tables directly: the recount and the complete event log.
 
     The API's JobEvent has no epoch, and a live WatchJobs stream is not a proof
-    of completeness; the database is the only truth (SPEC §2).
+    of completeness; the database is the only truth (contract §2).
     """
 
     def __init__(self, url: str) -> None:

@@ -50,7 +50,7 @@ from workload import Workload, plan_workload, run_problems
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.stack import Stack
 
-# What SPEC §16 promises of the soak (one terminal status, nothing redone, no duplicate
+# What contract §16 promises of the soak (one terminal status, nothing redone, no duplicate
 # launch, nothing left, counters equal to a recount); the other kinds are counted in
 # its figures.
 SOAK_KINDS = frozenset(

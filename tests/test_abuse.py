@@ -1,4 +1,4 @@
-"""Abuse and memory (SPEC §19): bursts of bad requests and abandoned streams leave no trace.
+"""Abuse and memory (contract §19): bursts of bad requests and abandoned streams leave no trace.
 
 The whole stack runs as real processes (`services.stack.Stack` on the sim cloud:
 the cloud, the scheduler, the logs service and one controller replica), so memory

@@ -1,4 +1,4 @@
-"""Admission under limits through the whole system (SPEC §5), judged from the event log.
+"""Admission under limits through the whole system (contract §5), judged from the event log.
 
 Two replicas that may each launch 2 jobs at once and hold 5, on the sim cloud; 40
 jobs with mixed priorities, a third of them two-task chains (so running jobs ask

@@ -1,4 +1,4 @@
-"""A hypothesis state machine over admission (SPEC §5), on the real store and counters.
+"""A hypothesis state machine over admission (contract §5), on the real store and counters.
 
 Random submits with priorities, replicas joining, draining and leaving, launch
 slot requests, launch completions, backoffs, job completions and cancels; after

@@ -1,4 +1,4 @@
-"""The scheduler's bounds on what a request may name and where a watch may resume (SPEC §19).
+"""The scheduler's bounds on what a request may name and where a watch may resume (contract §19).
 
 Real scheduler, real gRPC, on SQLite and PostgreSQL: at most 1,000 job ids per
 request (more is INVALID_ARGUMENT naming the limit, never a database error passed

@@ -1,4 +1,4 @@
-"""The auth matrix (SPEC §16), generated from the one policy table.
+"""The auth matrix (contract §16), generated from the one policy table.
 
 Every RPC of every service (scheduler, a controller replica, logs, sim cloud; real
 servers in this process) x every caller (no token, unknown token, user, other user,

@@ -1,4 +1,4 @@
-"""Shared input bounds: quoting and identifier rules (SPEC §19)."""
+"""Shared input bounds: quoting and identifier rules (contract §19)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cancellation at every phase of a job (SPEC §8), against the sim cloud in this process.
+"""Cancellation at every phase of a job (contract §8), against the sim cloud in this process.
 
 Each row starts a job through `run_job`, waits until the job is in the phase
 named by the row (waiting for a grant, launching, backing off, running,

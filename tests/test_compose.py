@@ -1,5 +1,5 @@
 """docker-compose.yml only uses commands, flags and environment variables the services
-accept, and runs them with tokens, TLS and mTLS on (SPEC §14)."""
+accept, and runs them with tokens, TLS and mTLS on (contract §14)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bad settings fail fast (SPEC §19): one line naming the setting, and nothing left running.
+"""Bad settings fail fast (contract §19): one line naming the setting, and nothing left running.
 
 Real processes. A service given a setting it cannot run with (an unknown backend,
 an unreadable config or tokens file, a port another process holds) exits at once

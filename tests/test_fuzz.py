@@ -1,4 +1,4 @@
-"""Hostile input, proven (SPEC §19): every RPC of every service, fuzzed against real servers.
+"""Hostile input, proven (contract §19): every RPC of every service, fuzzed against real servers.
 
 For each RPC of `access.POLICY`, hypothesis generates requests from the proto
 descriptors (`fuzzing.attempts`: extreme and random values in every field, valid

@@ -1,4 +1,4 @@
-"""Every path of a job's lifecycle (SPEC §6) and of the strategies (§7), one row each.
+"""Every path of a job's lifecycle (contract §6) and of the strategies (§7), one row each.
 
 Each row runs one job through `run_job` against the sim cloud in this process
 (1,000 simulated seconds per real second) and asserts:

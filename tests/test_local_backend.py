@@ -1,4 +1,4 @@
-"""The local backend with real supervisor and user processes (SPEC §10)."""
+"""The local backend with real supervisor and user processes (contract §10)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""User code on the local backend is confined (SPEC §14 "User code").
+"""User code on the local backend is confined (contract §14 "User code").
 
 The tests that change users need root, as CI runs them; elsewhere they skip.
 """

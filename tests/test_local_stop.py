@@ -1,5 +1,5 @@
 """How local tasks end: their end outlives the supervisor, terminate gives a grace, and a
-preemption notice reaches the ranks without tearing the cluster down (SPEC §18)."""
+preemption notice reaches the ranks without tearing the cluster down (contract §18)."""
 
 from __future__ import annotations
 

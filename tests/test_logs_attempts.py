@@ -1,4 +1,4 @@
-"""Logs per attempt (SPEC §18): every cluster a task ran on keeps its own log, read
+"""Logs per attempt (contract §18): every cluster a task ran on keeps its own log, read
 whole or by attempt number, live or stored (`logs_harness`: real gRPC, a scripted
 scheduler and in-memory clusters)."""
 

@@ -1,4 +1,4 @@
-"""The logs RPCs replicas call refuse what is not theirs (SPEC §14, §19): a job that does
+"""The logs RPCs replicas call refuse what is not theirs (contract §14, §19): a job that does
 not exist, another job's cluster, a job the calling replica does not hold at the epoch it
 gives. Real gRPC with tokens (`identities`), a scripted scheduler (`logs_harness`)."""
 

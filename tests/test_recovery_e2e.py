@@ -1,4 +1,4 @@
-"""The recovery policy (SPEC §18) end to end: one row per rule, through the real processes.
+"""The recovery policy (contract §18) end to end: one row per rule, through the real processes.
 
 The same rules as tests/test_recovery_policy.py, here with mj-simcloud, the
 scheduler, a controller replica and the logs service running as processes with

@@ -1,4 +1,4 @@
-"""The recovery policy beyond SkyPilot (SPEC §18), one row per rule, against the sim cloud.
+"""The recovery policy beyond SkyPilot (contract §18), one row per rule, against the sim cloud.
 
 Each row runs a job through `run_job` in this process (tests/lifecycle_harness.py)
 and checks the statuses it reported, its counts, its failure reason and what the

@@ -1,4 +1,4 @@
-"""Replicas die and nothing is lost (SPEC §9, §16), shown with real processes.
+"""Replicas die and nothing is lost (contract §9, §16), shown with real processes.
 
 Each test starts the whole system (`reliability.start_stack`: scheduler on a fresh
 PostgreSQL database, three or two controller replicas with a 3 s lease, logs,
@@ -22,7 +22,7 @@ breaks it on purpose:
 
 Each run's durable record is then judged by the history checker (`history.py`).
 Figures (resume latency after a kill, preemptions, recoveries) are printed, not
-asserted: timings are for `bench/chaos.py` (SPEC §15).
+asserted: timings are for `bench/chaos.py` (contract §15).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Hostile input to the sim cloud (SPEC §19): every RPC of both services, a real server.
+"""Hostile input to the sim cloud (contract §19): every RPC of both services, a real server.
 
 Each bad request must be INVALID_ARGUMENT naming the field, quote at most 200
 characters of the input, change nothing, and leave every state RPC answering.

@@ -1,4 +1,4 @@
-"""Job spec parsing and validation (SPEC §3)."""
+"""Job spec parsing and validation (contract §3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Bounds on a job spec (SPEC §19): YAML that cannot amplify, sizes, counts and quoting."""
+"""Bounds on a job spec (contract §19): YAML that cannot amplify, sizes, counts and quoting."""
 
 from __future__ import annotations
 

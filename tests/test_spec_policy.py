@@ -1,4 +1,7 @@
-"""Secrets, resources, regions, recovery policy and timeouts in a job spec (SPEC §14, §18, §19)."""
+"""Secrets, resources, regions, recovery policy and timeouts in a job spec.
+
+Contract §14, §18 and §19.
+"""
 
 from __future__ import annotations
 

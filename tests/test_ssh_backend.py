@@ -1,4 +1,4 @@
-"""The ssh backend against real sshd servers, one per simulated host (SPEC §17, §18).
+"""The ssh backend against real sshd servers, one per simulated host (contract §17, §18).
 
 Every host is its own OS user on its own loopback address (tests/sshd.py), so
 "the host's processes" are the processes of its user and "the host's files" are

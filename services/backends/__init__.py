@@ -1,4 +1,4 @@
-"""Backends: where tasks run (SPEC §10, §17).
+"""Backends: where tasks run (contract §10, §17).
 
 `Backend` is the one interface the controller and the logs service use; this
 package names it, its value types and errors, and the registry: each backend

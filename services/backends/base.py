@@ -214,7 +214,7 @@ class Backend(abc.ABC):
     name: ClassVar[str]
     # How many launches this backend runs well at once (a launch that is a process
     # costs far more than one that is an RPC). Replicas report it as their launch
-    # capacity, under the limits of SPEC §5.
+    # capacity, under the limits of contract §5.
     launch_concurrency: int = 16
 
     @abc.abstractmethod
@@ -264,7 +264,7 @@ class Backend(abc.ABC):
         """Tears the cluster down; idempotent.
 
         The task's processes get SIGTERM first and SIGKILL after `grace` seconds, so
-        code can checkpoint (SPEC §18). `epoch` is the caller's assignment epoch (0:
+        code can checkpoint (contract §18). `epoch` is the caller's assignment epoch (0:
         not on behalf of a job, e.g. an operator's cleanup).
 
         Returns:
@@ -282,7 +282,7 @@ class Backend(abc.ABC):
         is left after `grace` seconds; returns once none of its processes is left.
 
         What the task wrote while it stopped stays readable (`read_logs`) until the
-        `terminate` that follows, so a checkpoint's last words are kept (SPEC §18).
+        `terminate` that follows, so a checkpoint's last words are kept (contract §18).
         This default terminates with the grace, which serves a backend whose logs
         outlive its clusters; backends whose logs go with the cluster override it.
 

@@ -1,4 +1,4 @@
-"""The `local` backend: clusters made of real processes on this host (SPEC §10).
+"""The `local` backend: clusters made of real processes on this host (contract §10).
 
 A local cluster is a folder `<root>/<cluster_name>/` plus one supervisor process
 (`services.backends.supervisor`) that runs the task's setup and run for every node

@@ -35,7 +35,7 @@ SUPERVISOR_MODULE = "services.backends.supervisor"
 # Every rank process (and what it spawns, unless it clears its environment) carries
 # this variable set to the cluster folder, so teardown can find escaped processes.
 CLUSTER_DIR_ENV = "MJ_CLUSTER_DIR"
-# Names the file a preemption notice is written to (SPEC §18).
+# Names the file a preemption notice is written to (contract §18).
 NOTICE_FILE_ENV = "MJ_PREEMPTION_NOTICE_FILE"
 
 

@@ -1,4 +1,4 @@
-"""Confinement of user code on the local backend (SPEC §14 "User code").
+"""Confinement of user code on the local backend (contract §14 "User code").
 
 A task's setup and run are code from whoever submitted the job, so the local
 backend never runs them with the service's privileges. When the service runs as

@@ -1,4 +1,4 @@
-"""The `sim` backend: the client of `mj-simcloud`, the simulated cloud (SPEC §10).
+"""The `sim` backend: the client of `mj-simcloud`, the simulated cloud (contract §10).
 
 Clusters live in the sim cloud process, so every controller replica and the
 logs service see the same ones; a cluster is found by its name alone. The task

@@ -1,4 +1,4 @@
-"""`mj`, the command-line client of the managed-jobs control plane (SPEC §12).
+"""`mj`, the command-line client of the managed-jobs control plane (contract §12).
 
 A thin, synchronous gRPC client: `main` parses the command line and maps every
 failure to an exit code, `client` talks to the scheduler and the logs service,

@@ -1,4 +1,4 @@
-"""`mj`: submit, list, inspect, cancel and follow managed jobs (SPEC §12).
+"""`mj`: submit, list, inspect, cancel and follow managed jobs (contract §12).
 
 Connection flags (`--scheduler`, `--logs`, `--user`, `--token`, `--timeout`,
 `--tls-ca`...) each have an environment variable (`MJ_SCHEDULER_ADDRESS`,

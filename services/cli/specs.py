@@ -2,7 +2,7 @@
 
 A task's `workdir` names a folder on the machine `mj` runs on, and a relative one
 means "relative to the spec file", as SkyPilot reads it. The services cannot know
-where the file was, and the local backend refuses relative workdirs (SPEC §14), so
+where the file was, and the local backend refuses relative workdirs (contract §14), so
 `mj` resolves them against the spec file's folder (after `~` expansion) before it
 submits.
 

@@ -4,7 +4,7 @@ Each function takes `now` (seconds since the epoch) instead of reading the
 clock, so a test can pin every cell. Layout follows `sky jobs queue`: a job with
 one task is one row; a chain is a row for the job and an indented `↳` row per
 task. Durations read like SkyPilot's (`1h 2m 5s`, `2 mins ago`); `-` stands
-for "not applicable" or "not yet". A deadline (SPEC §18) counts from its own
+for "not applicable" or "not yet". A deadline (contract §18) counts from its own
 start (submission, the job's start, a task's first start) and shows the time
 left, or how it went once its clock stopped.
 """
@@ -292,7 +292,7 @@ def countdown(limit: float, start: float | None, end: float | None, now: float) 
 
 
 def deadline_fields(job: job_pb2.Job, now: float) -> list[tuple[str, str]]:
-    """The job's own deadlines (SPEC §18) for `mj status`, each with the time left."""
+    """The job's own deadlines (contract §18) for `mj status`, each with the time left."""
     fields = []
     timeouts = job.timeouts
     submitted = seconds(job.submit_time)

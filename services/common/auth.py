@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 TOKEN_PREFIX = "mj_"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-# SPEC §19: users and controller ids are at most 64 characters of [a-z0-9._-].
+# contract §19: users and controller ids are at most 64 characters of [a-z0-9._-].
 _NAME = re.compile(r"[a-z0-9._-]{1,64}")
 
 

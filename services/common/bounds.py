@@ -1,4 +1,4 @@
-"""Bounds on every input (SPEC §19): the shared limits and the small validators for them.
+"""Bounds on every input (contract §19): the shared limits and the small validators for them.
 
 Every service checks what it receives against these limits before acting on it,
 so no request can make a service allocate, store or send more than the limits
@@ -10,7 +10,7 @@ allow. Two rules hold for every refusal:
 
 Identifiers that name people and processes (users, pools, controller ids) are at
 most 64 characters of ``[a-z0-9._-]``; job and task names follow the stricter
-rule in the spec parser (SPEC §3).
+rule in the spec parser (contract §3).
 """
 
 from __future__ import annotations

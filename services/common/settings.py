@@ -5,7 +5,7 @@ argparse parser from it, with each environment variable supplying the default
 that a flag overrides. The same declarations let tests check that
 docker-compose.yml only uses variables a service accepts.
 
-Bad settings fail fast (SPEC §19): a value its type refuses (an unknown backend, an
+Bad settings fail fast (contract §19): a value its type refuses (an unknown backend, an
 unreadable node pools file, a number that is not one), from a flag or from its
 variable, stops the service before it does anything, with one line naming the
 setting and the problem (`prog: error: argument --flag: ...`), exit code 2, no usage text and no
@@ -162,7 +162,7 @@ def _auth_mode(text: str) -> str:
     return mode
 
 
-# Security of a server (SPEC §14): see services/common/edge.py and tls.py.
+# Security of a server (contract §14): see services/common/edge.py and tls.py.
 AUTH = Setting(
     "auth",
     "MJ_AUTH",

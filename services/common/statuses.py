@@ -14,7 +14,7 @@ from managedjobs.v1 import job_pb2
 
 
 class JobStatus(enum.IntEnum):
-    """Status of a task (SPEC §4); a job shows its current task's."""
+    """Status of a task (contract §4); a job shows its current task's."""
 
     PENDING = job_pb2.JOB_STATUS_PENDING
     STARTING = job_pb2.JOB_STATUS_STARTING
@@ -35,7 +35,7 @@ class JobStatus(enum.IntEnum):
 
 
 class ScheduleState(enum.IntEnum):
-    """Admission state of a job (SPEC §5)."""
+    """Admission state of a job (contract §5)."""
 
     INACTIVE = job_pb2.SCHEDULE_STATE_INACTIVE
     WAITING = job_pb2.SCHEDULE_STATE_WAITING

@@ -1,4 +1,4 @@
-"""What a replica can hold: launches = 4 x CPUs, jobs = memory / memory per job (SPEC §5)."""
+"""What a replica can hold: launches = 4 x CPUs, jobs = memory / memory per job (contract §5)."""
 
 from __future__ import annotations
 

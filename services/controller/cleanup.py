@@ -1,4 +1,4 @@
-"""How a job ends on a replica (SPEC §6 "at the end, always", §8): `run_job` and the cleanup.
+"""How a job ends on a replica (contract §6 "at the end, always", §8): `run_job` and the cleanup.
 
 `run_job` runs the lifecycle's main path as its own task, so that a cancel
 interrupts it wherever it waits (for a grant, a launch, a backoff, news of a
@@ -117,7 +117,7 @@ async def cleanup(lifecycle: JobLifecycle, cancelled: bool, error: str = "") -> 
 
 
 async def run_job(lifecycle: JobLifecycle, cancel: CancelRequest) -> str:
-    """Runs a job's main path, then its cleanup, whatever happened (SPEC §6, §8).
+    """Runs a job's main path, then its cleanup, whatever happened (contract §6, §8).
 
     Returns:
         Why the job may have tasks left unfinished ("" for a normal end), for the

@@ -35,10 +35,10 @@ class LifecycleConfig:
     terminate_attempts: int = 3
     terminate_retry_delay: float = 1.0
     # Seconds a task's processes get between SIGTERM and SIGKILL when stopped (a cancel, a
-    # timeout), so code can checkpoint (SPEC §18); a task's `grace_period` overrides it.
+    # timeout), so code can checkpoint (contract §18); a task's `grace_period` overrides it.
     grace_period: float = 30.0
     # Seconds a cluster (or the backend) may stay unreachable before it counts as lost,
-    # unless the backend says otherwise (an SSH pool's own timeout). SPEC §17, §18.
+    # unless the backend says otherwise (an SSH pool's own timeout). contract §17, §18.
     unreachable_timeout: float = 120.0
     # Wall clock (task end times) and monotonic clock (timeouts), injected in tests.
     clock: Callable[[], float] = time.time

@@ -1,4 +1,4 @@
-"""The lifecycle of one job (SPEC §6, §8), run as one asyncio task on a replica.
+"""The lifecycle of one job (contract §6, §8), run as one asyncio task on a replica.
 
 For each task in order: skip what already finished (resume); a task without
 `run` goes STARTING then SUCCEEDED at once; otherwise STARTING (with its
@@ -218,7 +218,7 @@ class JobLifecycle:
         )
 
     def grace(self, state: TaskState) -> float:
-        """Seconds between SIGTERM and SIGKILL when the task is stopped (SPEC §18)."""
+        """Seconds between SIGTERM and SIGKILL when the task is stopped (contract §18)."""
         spec = state.task.spec
         if spec.HasField("grace_period_seconds"):
             return spec.grace_period_seconds
@@ -300,7 +300,7 @@ class JobLifecycle:
 
         Raises:
             asyncio.CancelledError: a previous holder was cancelling the job; the
-                caller's cleanup finishes the cancel (as seed 000 does).
+                caller's cleanup finishes the cancel.
         """
         for state in self.tasks:
             if state.status == S.CANCELLING:
@@ -544,7 +544,7 @@ class JobLifecycle:
 
     async def _pass_notice(self, state: TaskState, deadline: float) -> None:
         """A spot reclaim was announced: the task gets SIGTERM and the notice file now, so it
-        can checkpoint before its cluster goes (SPEC §18)."""
+        can checkpoint before its cluster goes (contract §18)."""
         assert state.handle is not None
         name = state.handle.cluster_name
         at = time.strftime("%H:%M:%S", time.gmtime(deadline))

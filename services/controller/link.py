@@ -1,4 +1,4 @@
-"""The replica's one stream to the scheduler: its lease (SPEC §9).
+"""The replica's one stream to the scheduler: its lease (contract §9).
 
 `Link.run` keeps the stream up: it connects with exponential backoff, says
 hello first (capacity and the jobs this replica still runs), sends heartbeats,

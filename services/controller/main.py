@@ -1,4 +1,4 @@
-"""`mj-controller`: one controller replica (SPEC §2, §9).
+"""`mj-controller`: one controller replica (contract §2, §9).
 
 Connects to the scheduler (its stream is the replica's lease), runs the jobs it
 is assigned, and serves ControllerService. SIGTERM drains: the replica stops

@@ -1,4 +1,4 @@
-"""Launch, recovery and restart strategies (SPEC §7, seed 001), chosen by name from the spec.
+"""Launch, recovery and restart strategies (contract §7), chosen by name from the spec.
 
 Every strategy launches the same way (`Strategy.launch`):
 - take the job's launch slot, ask the backend, and wait a bounded number of
@@ -8,7 +8,7 @@ Every strategy launches the same way (`Strategy.launch`):
   single region tried) fails at once: retrying cannot help;
 - any other failed attempt backs off (exponential, with jitter) *after giving the
   slot back*, so other jobs launch meanwhile; the slot is held only while
-  actually launching (seed 001's `scheduled_launch`);
+  actually launching;
 - an optional retry limit ends in `NoResources` (FAILED_NO_RESOURCE). Attempts
   refused because the backend is unreachable do not count: they say nothing
   about capacity.
@@ -22,7 +22,7 @@ They differ in how they relaunch a task whose cluster was preempted:
 After user code failed on a healthy cluster, `restart` relaunches anywhere
 allowed while `max_restarts_on_errors` allows: the region is not to blame.
 
-Beyond SkyPilot (SPEC §18), every strategy carries the task's `RecoveryPolicy`:
+Beyond SkyPilot (contract §18), every strategy carries the task's `RecoveryPolicy`:
 exit codes that mean "recover" (like a preemption, no restart consumed) or
 "fail at once"; a cap on recoveries; on-demand capacity after N preemptions;
 and `NONE`, which never recovers. Launch retries stop at `launch_timeout`, and
@@ -64,7 +64,7 @@ class NoResources(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class RecoveryPolicy:
-    """What the spec's `job_recovery` says beyond the strategy's name (SPEC §18)."""
+    """What the spec's `job_recovery` says beyond the strategy's name (contract §18)."""
 
     max_restarts: int = 0
     recover_on_exit_codes: frozenset[int] = frozenset()
@@ -108,7 +108,7 @@ class Deadline:
 
 
 class Slot(Protocol):
-    """A job's launch slot: granted by the scheduler under the launch limits (SPEC §5)."""
+    """A job's launch slot: granted by the scheduler under the launch limits (contract §5)."""
 
     async def acquire(self, reason: str) -> None:
         """Returns once the slot is held (at once if it already is)."""

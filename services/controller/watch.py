@@ -1,4 +1,4 @@
-"""News of clusters for the lifecycles watching them (SPEC §6 "watching").
+"""News of clusters for the lifecycles watching them (contract §6 "watching").
 
 A lifecycle watching a cluster holds a `Watcher` and sleeps in `Watcher.next`
 until there is news: an `Observation` (or the error that stood for one), or a

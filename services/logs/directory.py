@@ -1,6 +1,6 @@
 """Where the logs service learns about jobs: the scheduler's JobService.
 
-The scheduler is the only source of truth about jobs (SPEC §2); the logs service
+The scheduler is the only source of truth about jobs (contract §2); the logs service
 keeps no job state of its own. It asks for a job's current snapshot (`get_job`)
 and listens to the job's events (`watch`) to know when a task starts, moves to a
 new cluster, finishes, and when the job is over.

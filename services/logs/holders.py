@@ -1,4 +1,4 @@
-"""Which replica holds a job: the check behind the logs RPCs only replicas call (SPEC §14).
+"""Which replica holds a job: the check behind the logs RPCs only replicas call (contract §14).
 
 A controller may fetch a task's logs and append lifecycle lines only for jobs
 assigned to it at the epoch it gives. The scheduler is the one that knows (GetJob's

@@ -7,7 +7,7 @@ Layout under the store's root (`<data_dir>/logs`):
                                            the log holds attempt 1 alone, most tasks' case)
     <job_id>/controller.log                the job's lifecycle lines, appended
 
-A task's attempts are numbered 1, then one more per recovery or restart (SPEC §18);
+A task's attempts are numbered 1, then one more per recovery or restart (contract §18);
 the number is what a stored copy is known by, since every attempt of a task runs on
 a cluster of the same name.
 

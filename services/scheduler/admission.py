@@ -1,4 +1,4 @@
-"""Admission: who may start, who may launch, and on which replica (SPEC §5).
+"""Admission: who may start, who may launch, and on which replica (contract §5).
 
 Admission owns the registry of replicas that may take work (`connected`,
 `draining`, `gone`) and reads the counters (`counters.py`) to decide. A

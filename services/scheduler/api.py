@@ -1,9 +1,9 @@
-"""JobService: the client API, served by the scheduler (SPEC §11).
+"""JobService: the client API, served by the scheduler (contract §11).
 
 Validation happens here, before anything is stored: a rejected request changes
 nothing. Domain errors become status codes through `rpc_errors`.
 
-Every input is bounded (SPEC §19): a request names at most `MAX_JOB_IDS` job ids,
+Every input is bounded (contract §19): a request names at most `MAX_JOB_IDS` job ids,
 each positive; a status filter is a set of known statuses; no text holds a NUL
 character. A watch resumed after
 an event id past the newest is OUT_OF_RANGE (reason EVENTS_AHEAD: the database was

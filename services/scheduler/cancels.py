@@ -1,4 +1,4 @@
-"""Cancellation (SPEC §8): durable first, then told to whoever holds the job.
+"""Cancellation (contract §8): durable first, then told to whoever holds the job.
 
 A cancel is state, not a message. `cancel` marks every target in one
 transaction with conditional UPDATEs, whatever their number:

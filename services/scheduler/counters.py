@@ -1,4 +1,4 @@
-"""The admission counters: jobs per (replica, schedule state), kept in memory (SPEC §5).
+"""The admission counters: jobs per (replica, schedule state), kept in memory (contract §5).
 
 `launching` is the LAUNCHING count, `alive` the LAUNCHING, ALIVE and
 ALIVE_WAITING counts together, per replica and in total; jobs no replica holds

@@ -1,4 +1,4 @@
-"""max_pending for jobs no replica took yet (SPEC §18).
+"""max_pending for jobs no replica took yet (contract §18).
 
 A job with `max_pending` gets a deadline at submission (`jobs.pending_deadline`).
 While it is WAITING, the scheduler owns it, so the scheduler enforces it: one

@@ -1,4 +1,4 @@
-"""Database health: the scheduler serves only while its database answers (SPEC §16).
+"""Database health: the scheduler serves only while its database answers (contract §16).
 
 A probe (`SELECT 1`, every `interval` seconds) and every failed database call
 feed one flag. While the database is away, grpc.health.v1 says NOT_SERVING,

@@ -1,4 +1,4 @@
-"""`mj-scheduler`: the single source of truth (SPEC §2).
+"""`mj-scheduler`: the single source of truth (contract §2).
 
 Opens the database (migrating it), rebuilds the admission counters from it,
 gives replicas named in it one lease to come back, and serves JobService and

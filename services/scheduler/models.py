@@ -128,7 +128,7 @@ class TaskRow(Base):
 
 
 class AttemptRow(Base):
-    """One cluster a task ran on, with how it ended (SPEC §18)."""
+    """One cluster a task ran on, with how it ended (contract §18)."""
 
     __tablename__ = "attempts"
 

@@ -1,4 +1,4 @@
-"""Which jobs a user owns, for filtering a user's unfiltered WatchJobs stream (SPEC §14).
+"""Which jobs a user owns, for filtering a user's unfiltered WatchJobs stream (contract §14).
 
 Live events carry a job id, not the job's owner, so a watch that must show a user
 only their own jobs asks the store once per job id it has not seen yet and

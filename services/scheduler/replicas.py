@@ -1,4 +1,4 @@
-"""Controller replicas: their streams, their leases, and what they report (SPEC §9).
+"""Controller replicas: their streams, their leases, and what they report (contract §9).
 
 A replica's `ConnectController` stream is its lease. The hello carries its
 capacity and the jobs it still runs; every message it sends renews the lease.

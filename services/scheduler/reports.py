@@ -1,4 +1,4 @@
-"""What replicas report, applied to the database (SPEC §9).
+"""What replicas report, applied to the database (contract §9).
 
 A replica's reports (task transitions, launch-slot requests and releases, a
 finished lifecycle, handed-back jobs) are applied in batches: one transaction
@@ -536,7 +536,7 @@ async def release(
     """Takes a replica's unfinished jobs away from it (all, some ids, or (id, epoch) pairs).
 
     Launch slots are freed (LAUNCHING becomes ALIVE); a task that was STARTING goes
-    to RECOVERING, since its cluster's state is unknown (SPEC §9). Conditional
+    to RECOVERING, since its cluster's state is unknown (contract §9). Conditional
     UPDATEs only: a job already moved on is left alone.
     """
     # Ids go in chunks (`chunked`): each statement's list stays bounded.

@@ -1,4 +1,4 @@
-"""Parse and validate a job spec: SkyPilot task YAML, the subset of SPEC §3.
+"""Parse and validate a job spec: SkyPilot task YAML, the subset of contract §3.
 
 A spec is one or more YAML documents. Each document is one task; several form a
 chain run in order. Empty documents (a trailing ``---``) are skipped. A first
@@ -13,10 +13,10 @@ Accepted task fields (anything else is an error; a null value means "not set")::
                                  # as strings; null: must come with the submission
     secrets: {HF_TOKEN: null}    # like envs, but kept apart from the task (see below)
     setup: pip install -r req.txt
-    run: python train.py         # a task without run succeeds at once (SPEC §6)
+    run: python train.py         # a task without run succeeds at once (contract §6)
     workdir: ~/src
     num_nodes: 1                 # 1..1000
-    max_duration: 12h            # timeouts, SPEC §18 (durations below)
+    max_duration: 12h            # timeouts, contract §18 (durations below)
     launch_timeout: 30m
     grace_period: 30s
     max_pending: 2h              # first document of the spec only (see "Job-level keys")
@@ -56,12 +56,12 @@ document: the header, or the first task when there is no header. The header's
 ``grace_period`` are the default of every task that sets none, and are copied
 onto those tasks. All four land in :attr:`JobSpec.timeouts`.
 
-Secrets (SPEC §14): a task's ``secrets`` plus the submission's extra secrets are
+Secrets (contract §14): a task's ``secrets`` plus the submission's extra secrets are
 in :attr:`JobSpec.secrets` (one map per task), never in the ``TaskSpec``, since
 everything that serializes a TaskSpec (GetJob, logs, the database) could leak
 them. A name is either an env or a secret, never both.
 
-Bounds (SPEC §19, limits in ``services.common.bounds``): the text is at most 1 MiB
+Bounds (contract §19, limits in ``services.common.bounds``): the text is at most 1 MiB
 before and after alias expansion and nests at most 32 levels (``spec_yaml``); at
 most 1,000 tasks (``tasks``); per task, envs and secrets together (submission
 extras merged in) at most 1,000 names and 256 KiB of names plus values; the
@@ -310,7 +310,7 @@ def parse_job_spec(
     extra_secrets: Mapping[str, str] | None = None,
     known_regions: Collection[str] | None = None,
 ) -> JobSpec:
-    """Parses and validates a job spec (SPEC §3, §14, §18, §19).
+    """Parses and validates a job spec (contract §3, §14, §18, §19).
 
     Args:
         spec_yaml: One or more YAML documents; see the module docstring.

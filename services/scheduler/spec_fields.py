@@ -2,7 +2,7 @@
 
 A converter takes the value found at a field path and returns it converted, or
 raises :class:`SpecError` naming that path. Every number is range-checked and
-every message quotes at most 200 characters of the input (SPEC §19). The
+every message quotes at most 200 characters of the input (contract §19). The
 grammar each converter accepts is documented in ``services.scheduler.spec``.
 """
 
@@ -317,7 +317,7 @@ _RECOVERING_ONLY = ("max_recoveries", "on_demand_after_preemptions")
 
 
 def job_recovery(value: object, path: str) -> dict[str, Any]:
-    """``job_recovery``: a strategy name, or a mapping of the recovery policy (SPEC §7, §18).
+    """``job_recovery``: a strategy name, or a mapping of the recovery policy (contract §7, §18).
 
     Returns:
         Keyword arguments for :class:`job_pb2.Resources`.

@@ -1,4 +1,4 @@
-"""Load a spec's YAML documents without letting the YAML amplify (SPEC §19).
+"""Load a spec's YAML documents without letting the YAML amplify (contract §19).
 
 YAML aliases let a short text stand for a huge value: a 20 KB spec whose anchors
 refer to anchors nine levels deep expands to gigabytes once anything walks it.

@@ -1,4 +1,4 @@
-"""The sim cloud: a simulated multi-region cloud served as `mj-simcloud` (SPEC §10).
+"""The sim cloud: a simulated multi-region cloud served as `mj-simcloud` (contract §10).
 
 Regions and zones with spot and on-demand capacity, launch latency and
 failures, spot preemption (seeded random or scripted), tasks whose runtime,

@@ -1,4 +1,4 @@
-"""Bounds on every input of the sim cloud (SPEC §19).
+"""Bounds on every input of the sim cloud (contract §19).
 
 Both services check each field of each request here before the model sees it, so
 no request can overflow a timestamp, wedge the timer heap, or make a later read

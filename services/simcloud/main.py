@@ -1,4 +1,4 @@
-"""`mj-simcloud`: the simulated cloud as its own process (SPEC §2, §10).
+"""`mj-simcloud`: the simulated cloud as its own process (contract §2, §10).
 
 Serves SimCloudService (what the `sim` backend calls) and SimOperatorService
 (chaos and inventory for tests and demos), with health and reflection, on one

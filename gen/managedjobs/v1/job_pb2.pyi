@@ -49,7 +49,7 @@ class _JobStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobStatus.V
     """A control-plane failure or a failed cleanup: resources may have leaked."""
 
 class JobStatus(_JobStatus, metaclass=_JobStatusEnumTypeWrapper):
-    """Status of one task; a job shows the status of its current task (SPEC §4)."""
+    """Status of one task; a job shows the status of its current task (contract §4)."""
 
 JOB_STATUS_UNSPECIFIED: JobStatus.ValueType  # 0
 JOB_STATUS_PENDING: JobStatus.ValueType  # 1
@@ -89,7 +89,7 @@ class _ScheduleStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Schedul
     SCHEDULE_STATE_DONE: _ScheduleState.ValueType  # 6
 
 class ScheduleState(_ScheduleState, metaclass=_ScheduleStateEnumTypeWrapper):
-    """Admission state of a job (SPEC §5)."""
+    """Admission state of a job (contract §5)."""
 
 SCHEDULE_STATE_UNSPECIFIED: ScheduleState.ValueType  # 0
 SCHEDULE_STATE_INACTIVE: ScheduleState.ValueType  # 1
@@ -110,16 +110,16 @@ class _RecoveryStrategyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reco
     RECOVERY_STRATEGY_FAILOVER: _RecoveryStrategy.ValueType  # 1
     RECOVERY_STRATEGY_EAGER_NEXT_REGION: _RecoveryStrategy.ValueType  # 2
     RECOVERY_STRATEGY_NONE: _RecoveryStrategy.ValueType  # 3
-    """No recovery: a preemption ends the job FAILED_NO_RESOURCE (SPEC §18)."""
+    """No recovery: a preemption ends the job FAILED_NO_RESOURCE (contract §18)."""
 
 class RecoveryStrategy(_RecoveryStrategy, metaclass=_RecoveryStrategyEnumTypeWrapper):
-    """Recovery strategy of a task (SPEC §7)."""
+    """Recovery strategy of a task (contract §7)."""
 
 RECOVERY_STRATEGY_UNSPECIFIED: RecoveryStrategy.ValueType  # 0
 RECOVERY_STRATEGY_FAILOVER: RecoveryStrategy.ValueType  # 1
 RECOVERY_STRATEGY_EAGER_NEXT_REGION: RecoveryStrategy.ValueType  # 2
 RECOVERY_STRATEGY_NONE: RecoveryStrategy.ValueType  # 3
-"""No recovery: a preemption ends the job FAILED_NO_RESOURCE (SPEC §18)."""
+"""No recovery: a preemption ends the job FAILED_NO_RESOURCE (contract §18)."""
 Global___RecoveryStrategy: _TypeAlias = RecoveryStrategy  # noqa: Y015
 
 @_typing.final
@@ -161,7 +161,7 @@ class Resources(_message.Message):
     """How long a task may stay unreachable before it is recovered; unset: the backend's default."""
     @_builtins.property
     def recover_on_exit_codes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Recovery policy (SPEC §18), from `job_recovery`. Exit codes are 1..255, or -N
+        """Recovery policy (contract §18), from `job_recovery`. Exit codes are 1..255, or -N
         for "killed by signal N" (N up to 64); each list is sorted, without repeats,
         and no code is in both.
         Exit codes of the run treated like a preemption: recovered, no restart consumed.
@@ -210,7 +210,7 @@ Global___Resources: _TypeAlias = Resources  # noqa: Y015
 
 @_typing.final
 class TaskSpec(_message.Message):
-    """One validated task of a job's chain (SPEC §3)."""
+    """One validated task of a job's chain (contract §3)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -253,7 +253,7 @@ class TaskSpec(_message.Message):
     sim_json: _builtins.str
     """Fields read by the sim backend (runtime, exit codes, log lines), as JSON."""
     max_duration_seconds: _builtins.float
-    """Timeouts of this task (SPEC §18), in seconds, each > 0; unset: none (or the default).
+    """Timeouts of this task (contract §18), in seconds, each > 0; unset: none (or the default).
     Wall-clock time since the task first started; past it the task is stopped gracefully
     and the job ends FAILED ("max_duration exceeded").
     """
@@ -305,7 +305,7 @@ Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
 
 @_typing.final
 class JobTimeouts(_message.Message):
-    """Timeouts of a whole job (SPEC §18), in seconds, each > 0 and optional."""
+    """Timeouts of a whole job (contract §18), in seconds, each > 0 and optional."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -445,7 +445,7 @@ class Task(_message.Message):
     def spec(self) -> Global___TaskSpec: ...
     @_builtins.property
     def attempts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Attempt]:
-        """Every cluster the task ran on, in order (SPEC §18: each keeps its logs and exit code)."""
+        """Every cluster the task ran on, in order (contract §18: each keeps its logs and exit code)."""
 
     @_builtins.property
     def condition_time(self) -> _timestamp_pb2.Timestamp: ...
@@ -531,7 +531,7 @@ class Job(_message.Message):
     def end_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def timeouts(self) -> Global___JobTimeouts:
-        """Job-level timeouts from the spec's header document or max_pending (SPEC §18)."""
+        """Job-level timeouts from the spec's header document or max_pending (contract §18)."""
 
     def __init__(
         self,

@@ -52,7 +52,7 @@ class SchedulerServiceServicer:
     """
 
     def ConnectController(self, request_iterator, context):
-        """One bidirectional stream per controller replica; the stream is its lease (SPEC §9).
+        """One bidirectional stream per controller replica; the stream is its lease (contract §9).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -34,7 +34,7 @@ class SchedulerServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> SchedulerServiceAsyncStub: ...
     ConnectController: _grpc.StreamStreamMultiCallable[_scheduler_service_pb2.ConnectControllerRequest, _scheduler_service_pb2.ConnectControllerResponse]
-    """One bidirectional stream per controller replica; the stream is its lease (SPEC §9)."""
+    """One bidirectional stream per controller replica; the stream is its lease (contract §9)."""
     GetSchedulerState: _grpc.UnaryUnaryMultiCallable[_scheduler_service_pb2.GetSchedulerStateRequest, _scheduler_service_pb2.GetSchedulerStateResponse]
 
 @_typing.type_check_only
@@ -43,7 +43,7 @@ class SchedulerServiceAsyncStub(SchedulerServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     ConnectController: _aio.StreamStreamMultiCallable[_scheduler_service_pb2.ConnectControllerRequest, _scheduler_service_pb2.ConnectControllerResponse]  # type: ignore[assignment]
-    """One bidirectional stream per controller replica; the stream is its lease (SPEC §9)."""
+    """One bidirectional stream per controller replica; the stream is its lease (contract §9)."""
     GetSchedulerState: _aio.UnaryUnaryMultiCallable[_scheduler_service_pb2.GetSchedulerStateRequest, _scheduler_service_pb2.GetSchedulerStateResponse]  # type: ignore[assignment]
 
 class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -55,7 +55,7 @@ class SchedulerServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_scheduler_service_pb2.ConnectControllerRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_scheduler_service_pb2.ConnectControllerResponse], _abc.AsyncIterator[_scheduler_service_pb2.ConnectControllerResponse]]:
-        """One bidirectional stream per controller replica; the stream is its lease (SPEC §9)."""
+        """One bidirectional stream per controller replica; the stream is its lease (contract §9)."""
 
     @_abc_1.abstractmethod
     def GetSchedulerState(

@@ -1,4 +1,4 @@
-"""The `ssh` backend: machines a team already has, as regions (SPEC §17).
+"""The `ssh` backend: machines a team already has, as regions (contract §17).
 
 The node pools file (`config`, SkyPilot's `ssh_node_pools.yaml` form) names
 pools of hosts; a pool is a region. A cluster is `num_nodes` free hosts of one

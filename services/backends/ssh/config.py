@@ -1,4 +1,4 @@
-"""The node pools file: SkyPilot's `ssh_node_pools.yaml` form (SPEC §17).
+"""The node pools file: SkyPilot's `ssh_node_pools.yaml` form (contract §17).
 
     gpu-box:                         # a pool; its name is a region
       user: alice                    # pool defaults for every host

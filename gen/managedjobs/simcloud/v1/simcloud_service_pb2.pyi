@@ -107,7 +107,7 @@ Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
 @_typing.final
 class Resources(_message.Message):
-    """What the task asks for (SPEC §3 `resources`, plus `num_nodes`)."""
+    """What the task asks for (contract §3 `resources`, plus `num_nodes`)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 

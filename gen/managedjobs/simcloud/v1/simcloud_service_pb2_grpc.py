@@ -27,13 +27,13 @@ if _version_not_supported:
 
 class SimCloudServiceStub:
     """The simulated cloud's API, as a real cloud's would be: the `sim` backend of the
-    controller and logs services is its client (SPEC §10).
+    controller and logs services is its client (contract §10).
 
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
 
-    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    Every field is range-checked (contract §19): names are 1-128 characters of
     [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
     durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
     hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
@@ -105,13 +105,13 @@ class SimCloudServiceStub:
 
 class SimCloudServiceServicer:
     """The simulated cloud's API, as a real cloud's would be: the `sim` backend of the
-    controller and logs services is its client (SPEC §10).
+    controller and logs services is its client (contract §10).
 
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
 
-    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    Every field is range-checked (contract §19): names are 1-128 characters of
     [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
     durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
     hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
@@ -285,13 +285,13 @@ def add_SimCloudServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class SimCloudService:
     """The simulated cloud's API, as a real cloud's would be: the `sim` backend of the
-    controller and logs services is its client (SPEC §10).
+    controller and logs services is its client (contract §10).
 
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
 
-    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    Every field is range-checked (contract §19): names are 1-128 characters of
     [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
     durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
     hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at

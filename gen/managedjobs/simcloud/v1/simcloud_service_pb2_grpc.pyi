@@ -28,13 +28,13 @@ GRPC_VERSION: str
 
 class SimCloudServiceStub:
     """The simulated cloud's API, as a real cloud's would be: the `sim` backend of the
-    controller and logs services is its client (SPEC §10).
+    controller and logs services is its client (contract §10).
 
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
 
-    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    Every field is range-checked (contract §19): names are 1-128 characters of
     [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
     durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
     hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
@@ -101,13 +101,13 @@ class SimCloudServiceStub:
 @_typing.type_check_only
 class SimCloudServiceAsyncStub(SimCloudServiceStub):
     """The simulated cloud's API, as a real cloud's would be: the `sim` backend of the
-    controller and logs services is its client (SPEC §10).
+    controller and logs services is its client (contract §10).
 
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
 
-    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    Every field is range-checked (contract §19): names are 1-128 characters of
     [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
     durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
     hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
@@ -170,13 +170,13 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
 
 class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
     """The simulated cloud's API, as a real cloud's would be: the `sim` backend of the
-    controller and logs services is its client (SPEC §10).
+    controller and logs services is its client (contract §10).
 
     Durations in requests (latency, runtime, `*_seconds`) are simulated seconds; the
     cloud's `time_scale` says how many pass per real second. Timestamps are wall-clock
     times, so they compare with the control plane's own event times.
 
-    Every field is range-checked (SPEC §19): names are 1-128 characters of
+    Every field is range-checked (contract §19): names are 1-128 characters of
     [A-Za-z0-9._-] starting with a letter or digit, counts are >= 0 and bounded,
     durations are finite and at most 1e10 simulated seconds, rates at most 1e6 per
     hour. A request out of range is INVALID_ARGUMENT naming the field and quoting at
