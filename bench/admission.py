@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import functools
 import json
-import multiprocessing
 import statistics
 import subprocess
 import sys
@@ -36,15 +35,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import grpc
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine, probe_filesystem
-from system import cpu_seconds, postgres_database
+from system import cpu_seconds, empty_server, postgres_database
 
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import (
@@ -132,46 +129,20 @@ async def submit_all(
     return time.perf_counter() - start
 
 
-class EmptyJobService(job_service_pb2_grpc.JobServiceServicer):
-    """Answers every SubmitJob at once: what a call costs before any work."""
-
-    async def SubmitJob(
-        self, request: jpb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> jpb.SubmitJobResponse:
-        return jpb.SubmitJobResponse(job_id=1)
-
-
-def serve_empty(port: int) -> None:
-    async def serve() -> None:
-        server = grpc.aio.server()
-        job_service_pb2_grpc.add_JobServiceServicer_to_server(EmptyJobService(), server)
-        server.add_insecure_port(f"127.0.0.1:{port}")
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(serve())
-
-
 def empty_handler_floor(jobs: int, concurrency: int) -> dict[str, float]:
     """Single SubmitJob calls per second from the benchmark's callers against
     `EmptyJobService` in its own process, and that process's CPU per call."""
-    port = free_port()
-    server = multiprocessing.get_context("spawn").Process(target=serve_empty, args=(port,))
-    server.start()
-    try:
+    with empty_server() as (address, server):
 
         async def run() -> tuple[float, float]:
-            async with open_channel(f"127.0.0.1:{port}", ClientSecurity()) as channel:
+            async with open_channel(address, ClientSecurity()) as channel:
                 await asyncio.wait_for(channel.channel_ready(), 30)
                 stub = job_service_pb2_grpc.JobServiceStub(channel)
-                cpu_before = cpu_seconds(psutil.Process(server.pid))
+                cpu_before = cpu_seconds(server)
                 seconds = await submit_all(stub, jobs, concurrency, 1)
-                return seconds, cpu_seconds(psutil.Process(server.pid)) - cpu_before
+                return seconds, cpu_seconds(server) - cpu_before
 
         seconds, cpu = asyncio.run(run())
-    finally:
-        server.kill()
-        server.join()
     return {
         "calls_per_s": round(jobs / seconds, 1),
         "server_cpu_ms_per_call": round(cpu / jobs * 1000, 3),

@@ -9,7 +9,11 @@ replica), then:
   the SubmitJob round trip p50/p99, and each process's CPU per job meanwhile;
   once through an asyncio channel (as the services call each other), once
   through the blocking channel `mj` uses (`sequential_submit_mj_client`, with
-  this process's own CPU as "bench").
+  this process's own CPU as "bench");
+- the same sequential client against a server whose SubmitJob answers at once,
+  in a process of its own, plaintext and without authentication
+  (`sequential_floor`, as many calls): what gRPC's round trip alone costs on this
+  machine, the floor under `sequential_submit`.
 Targets (contract §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
 
     .venv/bin/python bench/latency.py [--jobs 200] [--gaps 0.5,0.05] [--sequential 300]
@@ -30,11 +34,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import machine
-from system import LONG_SPEC, CpuMeter, channel, running_system, summary
+from system import LONG_SPEC, CpuMeter, channel, empty_server, running_system, summary
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
-from services.common.channels import open_sync_channel
+from services.common.channels import ClientSecurity, open_channel, open_sync_channel
 from services.stack import Stack
 
 
@@ -89,6 +93,20 @@ async def sequential(stack: Stack, jobs: int) -> dict[str, object]:
     return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs)}
 
 
+async def sequential_floor(jobs: int) -> dict[str, object]:
+    """As `sequential`, against `EmptyJobService` (no work, no authentication, no TLS)."""
+    times = []
+    with empty_server() as (address, _):
+        async with open_channel(address, ClientSecurity()) as chan:
+            await asyncio.wait_for(chan.channel_ready(), 30)
+            stub = job_service_pb2_grpc.JobServiceStub(chan)
+            for _ in range(jobs):
+                start = time.perf_counter()
+                await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
+                times.append((time.perf_counter() - start) * 1000)
+    return summary(times, "ms")
+
+
 def sequential_blocking(stack: Stack, jobs: int) -> dict[str, object]:
     """As `sequential`, through the blocking client `mj` uses (`open_sync_channel`)."""
     times = []
@@ -117,6 +135,7 @@ def main() -> None:
             )
         figures["sequential_submit"] = asyncio.run(sequential(stack, args.sequential))
         figures["sequential_submit_mj_client"] = sequential_blocking(stack, args.sequential)
+    figures["sequential_floor"] = asyncio.run(sequential_floor(args.sequential))
     print(
         json.dumps({"bench": "latency", "jobs": args.jobs, **figures, "machine": machine()}),
         flush=True,

@@ -8,6 +8,8 @@ queued: bench/system.py), fills it with N jobs through SubmitJobs, and measures:
 - WatchJobs with W watchers (1,000 by default) of every job: from a submission to
   the last watcher receiving its event.
 Targets (contract §15): a page <= 200 ms; `mj queue --all` over 20,000 jobs <= 2 s.
+(The script is not named `queue.py`: `bench/` comes first on every benchmark's
+path, and a `queue` there would stand in for the standard library's module.)
 
     .venv/bin/python bench/listing.py [--sizes 10000,100000] [--mj-jobs 20000] [--watchers 1000]
 """

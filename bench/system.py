@@ -11,12 +11,14 @@ import argparse
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import psutil
@@ -25,7 +27,7 @@ from machine import machine, probe_filesystem
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.common.channels import open_channel
-from services.stack import Stack
+from services.stack import Stack, free_port
 
 # One big region, no launch latency, tasks that run until cancelled.
 CLOUD = """
@@ -110,6 +112,40 @@ class JobEvents:
         while not done():
             self.changed.clear()
             await asyncio.wait_for(self.changed.wait(), deadline - time.monotonic())
+
+
+class EmptyJobService(job_service_pb2_grpc.JobServiceServicer):
+    """Answers every SubmitJob at once: what a call costs before any work."""
+
+    async def SubmitJob(
+        self, request: jpb.SubmitJobRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> jpb.SubmitJobResponse:
+        return jpb.SubmitJobResponse(job_id=1)
+
+
+def serve_empty(port: int) -> None:
+    async def serve() -> None:
+        server = grpc.aio.server()
+        job_service_pb2_grpc.add_JobServiceServicer_to_server(EmptyJobService(), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+@contextlib.contextmanager
+def empty_server() -> Iterator[tuple[str, psutil.Process]]:
+    """`EmptyJobService` in a process of its own, plaintext and without authentication:
+    its address and its process. gRPC's own cost of a call on this machine."""
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(target=serve_empty, args=(port,))
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}", psutil.Process(server.pid)
+    finally:
+        server.kill()
+        server.join()
 
 
 def channel(stack: Stack, address: str) -> grpc.aio.Channel:
