@@ -82,29 +82,29 @@ async def sequential(stack: Stack, jobs: int) -> dict[str, object]:
     """One job at a time, each after the previous answer: the SubmitJob round trip, and
     the CPU each process spent per job meanwhile (every job is admitted, launched and
     reported RUNNING while the next ones are submitted)."""
-    times = []
     meter = CpuMeter(stack, bench=True)
     async with channel(stack, stack.scheduler_address) as chan:
-        stub = job_service_pb2_grpc.JobServiceStub(chan)
-        for _ in range(jobs):
-            start = time.perf_counter()
-            await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
-            times.append((time.perf_counter() - start) * 1000)
+        times = await one_by_one(job_service_pb2_grpc.JobServiceStub(chan), jobs)
     return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs)}
 
 
 async def sequential_floor(jobs: int) -> dict[str, object]:
     """As `sequential`, against `EmptyJobService` (no work, no authentication, no TLS)."""
-    times = []
     with empty_server() as (address, _):
         async with open_channel(address, ClientSecurity()) as chan:
             await asyncio.wait_for(chan.channel_ready(), 30)
-            stub = job_service_pb2_grpc.JobServiceStub(chan)
-            for _ in range(jobs):
-                start = time.perf_counter()
-                await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
-                times.append((time.perf_counter() - start) * 1000)
+            times = await one_by_one(job_service_pb2_grpc.JobServiceStub(chan), jobs)
     return summary(times, "ms")
+
+
+async def one_by_one(stub: job_service_pb2_grpc.JobServiceStub, jobs: int) -> list[float]:
+    """`jobs` SubmitJob calls, each after the previous answer: each round trip in ms."""
+    times = []
+    for _ in range(jobs):
+        start = time.perf_counter()
+        await stub.SubmitJob(jpb.SubmitJobRequest(spec_yaml=LONG_SPEC))
+        times.append((time.perf_counter() - start) * 1000)
+    return times
 
 
 def sequential_blocking(stack: Stack, jobs: int) -> dict[str, object]:
