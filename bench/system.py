@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -52,6 +53,7 @@ def running_system(
     scheduler_args: Sequence[str] = (),
     controller_args: Sequence[str] = (),
     tls: bool = False,
+    cpu_layout: str = "",
 ) -> Iterator[Stack]:
     probe_filesystem(data_dir)
     config = data_dir / "simcloud.yaml"
@@ -64,6 +66,8 @@ def running_system(
         controller_args=[*CONTROLLER_ARGS, *controller_args],
         simcloud_args=["--config", str(config), "--log-level", "WARNING"],
         tls=tls,
+        # As `services.stack`: the scheduler on a CPU of its own unless told otherwise.
+        cpu_layout=cpu_layout or os.environ.get("MJ_CPU_LAYOUT", "apart"),
     )
     stack.start(timeout=60)
     try:

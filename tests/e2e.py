@@ -12,6 +12,28 @@ from services.stack import Stack
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without the services' variables (a developer's shell may set
+    them), plus `extra`."""
+    return {**{k: v for k, v in os.environ.items() if not k.startswith("MJ_")}, **extra}
+
+
+def python(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 100
+) -> subprocess.CompletedProcess[str]:
+    """`python ARGS` from the repository's root (`-m services...` as `make up` runs
+    them), with `env` or `clean_env()`; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=clean_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def mj(stack: Stack, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """Runs the real `mj` client against the stack, as user e2e.
 

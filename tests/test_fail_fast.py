@@ -13,26 +13,18 @@ instead of failing fast would outlive the tests' own timeout and fail them.
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+from e2e import clean_env, python
 
 from services.stack import PORTS_FROM, Stack, StackError, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 PATIENT = 600.0
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
-
-
-def clean_env() -> dict[str, str]:
-    """This environment without the stack's variables (a developer's shell may set them)."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("MJ_")}
 
 
 def processes_of(data_dir: Path) -> list[psutil.Process]:
@@ -99,15 +91,10 @@ def test_make_up_with_an_unreadable_cloud_config_reports_it_and_leaves_nothing(
     data_dir = tmp_path / "data"
     config = tmp_path / "a-folder"
     config.mkdir()
-    run = subprocess.run(
-        [sys.executable, "-m", "services.stack", "--backend", "sim"]
-        + ["--simcloud-config", str(config), "--data-dir", str(data_dir)],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
+    run = python(
+        "-m", "services.stack", "--backend", "sim",
+        "--simcloud-config", str(config), "--data-dir", str(data_dir),
+    )  # fmt: skip
     assert run.returncode == 1
     lines = run.stderr.strip().splitlines()
     assert lines == [
@@ -119,13 +106,8 @@ def test_make_up_with_an_unreadable_cloud_config_reports_it_and_leaves_nothing(
 
 
 def test_make_up_with_an_unknown_backend_is_one_line(tmp_path: Path) -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "services.stack", "--data-dir", str(tmp_path)],
-        cwd=ROOT,
-        env={**clean_env(), "MJ_BACKEND": "bogus"},
-        capture_output=True,
-        text=True,
-        timeout=100,
+    run = python(
+        "-m", "services.stack", "--data-dir", str(tmp_path), env=clean_env(MJ_BACKEND="bogus")
     )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
@@ -145,15 +127,10 @@ def test_the_logs_service_refuses_a_setting_it_cannot_use_in_one_line(
     tmp_path: Path, held_port: int, flags: list[str], said: str
 ) -> None:
     flags = [f.replace("HELD", str(held_port)) for f in flags]
-    run = subprocess.run(
-        [sys.executable, "-m", "services.logs.main", "--port", "0", "--auth", "none"]
-        + ["--data-dir", str(tmp_path), *flags],
-        cwd=ROOT,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    run = python(
+        "-m", "services.logs.main", "--port", "0", "--auth", "none",
+        "--data-dir", str(tmp_path), *flags,
+    )  # fmt: skip
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if not line.startswith("{")]
     assert len(errors) == 1 and errors[0].startswith("mj-logs"), run.stderr
