@@ -124,21 +124,40 @@ def test_pinning_moves_every_thread_and_threads_started_later_follow(tmp_path: P
     assert run.stdout.strip().splitlines() == [str([[cpu]] * 3), "True"]
 
 
+@TWO_CPUS
+def test_a_process_started_on_some_cpus_may_be_pinned_to_others_of_the_host() -> None:
+    """`taskset` or a parent's own pinning is no bound: a replica started by a pinned
+    parent still takes the CPUs it is told to."""
+    first, last = min(available()), max(available())
+    script = textwrap.dedent(
+        f"""
+        import os
+        from services.common.cpus import pin, unpinned
+        os.sched_setaffinity(0, {{{first}}})  # as a parent's pinning leaves a child
+        pin(frozenset({{{last}}}))
+        print(sorted(os.sched_getaffinity(0)), sorted(unpinned()))
+        """
+    )
+    run = python("-c", script)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == f"[{last}] [{first}]"
+
+
 @pytest.mark.parametrize("command", sorted(SERVICES))
 def test_a_service_given_cpus_it_may_not_use_stops_in_one_line(
     command: str, tmp_path: Path
 ) -> None:
-    outside = max(available()) + 1
+    outside = os.cpu_count() or 1  # one past this host's last CPU
     run = python(
         "-m", SERVICES[command], "--port", "0", "--auth", "none",
         "--data-dir", str(tmp_path), "--cpus", f"0,{outside}",
     )  # fmt: skip
     assert run.returncode == 1
     errors = [line for line in run.stderr.splitlines() if not line.startswith("{")]
-    own = format_cpus(available())
+    host = format_cpus(range(os.cpu_count() or 1))
     assert errors == [
         f"{command}: error: --cpus names CPUs this process may not use: {outside} "
-        f"(it may use {own})"
+        f"(this host has {host})"
     ], run.stderr
 
 

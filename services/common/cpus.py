@@ -16,6 +16,7 @@ services the rest.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from collections.abc import Iterable
 
@@ -73,20 +74,25 @@ def available() -> frozenset[int]:
 
 def pin(cpus: frozenset[int]) -> None:
     """Moves every thread of this process onto `cpus` (none: leaves them where they
-    are). Stops the service (`SettingError`) on CPUs this process may not use."""
+    are). Stops the service (`SettingError`) on CPUs it may not use: ones this host
+    does not have, or that its cgroup's cpuset leaves out."""
     if not cpus:
         return
-    allowed = available()
     if not hasattr(os, "sched_setaffinity"):
         raise SettingError(f"{CPUS.flag}: this platform cannot pin threads to CPUs")
-    if not cpus <= allowed:
-        raise SettingError(
-            f"{CPUS.flag} names CPUs this process may not use: {format_cpus(cpus - allowed)} "
-            f"(it may use {format_cpus(allowed)})"
-        )
     global _before_pin
-    _before_pin = allowed if _before_pin is None else _before_pin
-    os.sched_setaffinity(0, cpus)
+    before = available()
+    # None of them usable: the kernel refuses the whole list (EINVAL).
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, cpus)
+    # The kernel keeps only the CPUs the process may use.
+    if (kept := available()) != cpus:
+        os.sched_setaffinity(0, before)
+        raise SettingError(
+            f"{CPUS.flag} names CPUs this process may not use: {format_cpus(cpus - kept)} "
+            f"(this host has {format_cpus(range(os.cpu_count() or 1))})"
+        )
+    _before_pin = before if _before_pin is None else _before_pin
     for task in os.listdir("/proc/self/task"):
         # A thread may end between the listing and its turn.
         try:
