@@ -2,7 +2,9 @@
 
 Every benchmark that measures the running system starts it here, so they all
 run the same topology (sim cloud, scheduler, logs, replicas) with the same
-settings, and reach it the same way.
+settings, and reach it the same way. It is laid out on the CPUs as `make up` lays
+it out: the scheduler on a CPU of its own, the other services on the rest
+(`MJ_CPU_LAYOUT=any` leaves every process to the OS, to compare).
 """
 
 from __future__ import annotations
