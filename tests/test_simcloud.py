@@ -35,6 +35,8 @@ from services.backends import (
 )
 from services.backends.sim import SimBackend
 from services.common.edge import ServerSecurity
+from services.controller.fencing import LeaseGuard
+from services.controller.link import LeaseLost
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
 from services.simcloud.clusters import ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
@@ -712,6 +714,47 @@ async def test_a_launch_never_waits_for_a_batch_in_flight() -> None:
         await asyncio.gather(*launching, return_exceptions=True)
         for job in (1, 2, 3, 4, 5, 6):
             await eventually(lambda job=job: sim.cluster_exists(f"mj-{job}-0"), False)
+    finally:
+        await sim.close()
+        await cloud.stop()
+
+
+async def test_a_replica_that_lost_its_lease_leaves_a_launch_it_gave_up_standing() -> None:
+    """The teardown of a launch whose runner gave up is the backend's own call: the
+    replica's lease guard checks it as any other, and a replica without its lease
+    leaves the cluster to the job's next holder rather than send a stale terminate."""
+    cloud = await start(
+        small_cloud(time_scale=1.0, launch_latency_seconds=30.0),
+        port=0,
+        security=ServerSecurity.without_auth(),
+    )
+    sim = SimBackend(f"127.0.0.1:{cloud.port}")
+    lease = {"valid": True}
+
+    async def wait_lease() -> bool:
+        return lease["valid"]
+
+    guarded = LeaseGuard(sim, wait_lease)
+    try:
+        kept = asyncio.create_task(guarded.launch(task(1, use_spot=False)))
+        await eventually(lambda: sim.cluster_exists("mj-1-0"), True)
+        kept.cancel()
+        await asyncio.gather(kept, return_exceptions=True)
+        # With its lease, the replica tears down what it gave up.
+        await eventually(lambda: sim.cluster_exists("mj-1-0"), False)
+
+        left = asyncio.create_task(guarded.launch(task(2, use_spot=False)))
+        await eventually(lambda: sim.cluster_exists("mj-2-0"), True)
+        lease["valid"] = False
+        left.cancel()
+        await asyncio.gather(left, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        assert await sim.cluster_exists("mj-2-0")
+        state = cloud.cloud.state()
+        assert (state.terminated_total, state.stale_terminates_rejected) == (1, 0)
+        with pytest.raises(LeaseLost, match="lease lost; not calling teardown of mj-2-0"):
+            assert sim.own_call_fence is not None
+            await sim.own_call_fence("teardown of mj-2-0")
     finally:
         await sim.close()
         await cloud.stop()

@@ -36,7 +36,7 @@ import asyncio
 import dataclasses
 import enum
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 
@@ -216,6 +216,15 @@ class Backend(abc.ABC):
     # costs far more than one that is an RPC). Replicas report it as their launch
     # capacity, under the limits of contract §5.
     launch_concurrency: int = 16
+    # Awaited, with what is about to be done, before a call the backend makes of its own
+    # accord (the teardown of a launch whose caller gave up); raising forbids the call.
+    # A replica's lease guard installs its own check (`fence_own_calls`): such calls are
+    # fenced as the replica's others are, not only by the backend's epochs.
+    own_call_fence: Callable[[str], Awaitable[None]] | None = None
+
+    def fence_own_calls(self, fence: Callable[[str], Awaitable[None]]) -> None:
+        """Has `fence` checked before every call this backend makes of its own accord."""
+        self.own_call_fence = fence
 
     @abc.abstractmethod
     async def launch(

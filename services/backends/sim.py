@@ -341,6 +341,15 @@ class SimBackend(Backend):
         return task
 
     async def _tear_down(self, handle: ClusterHandle, epoch: int) -> None:
+        if self.own_call_fence is not None:
+            try:
+                await self.own_call_fence(f"teardown of {handle.cluster_name}, a launch given up")
+            except Exception as refusal:  # the fence's reason: the caller lost the job
+                log.info(
+                    "abandoned launch left to the job's next holder",
+                    extra={"cluster": handle.cluster_name, "reason": str(refusal)},
+                )
+                return
         try:
             await self.terminate(handle, epoch)
         except BackendError as error:

@@ -6,7 +6,7 @@ checks its lease before launching or terminating, and tests inject faults.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 from services.backends.base import (
     Backend,
@@ -34,6 +34,9 @@ class BackendWrapper(Backend):
 
     def handle_for(self, cluster_name: str) -> ClusterHandle:
         return self.inner.handle_for(cluster_name)
+
+    def fence_own_calls(self, fence: Callable[[str], Awaitable[None]]) -> None:
+        self.inner.fence_own_calls(fence)
 
     async def observe(self, handle: ClusterHandle) -> Observation:
         return await self.inner.observe(handle)

@@ -6,9 +6,11 @@ down they wait (at most as long as the lease lasts), then raise `LeaseLost`;
 the job's runner then stops without cleanup (another replica owns the job now).
 Once the replica drains (`handed_back`), its jobs are the scheduler's again and
 every such call is refused at once (`MovedAway`): so the jobs can go back while
-the runners are still unwinding. Reads pass through. Every such call also
-carries the job's epoch, so a backend that can fence refuses it too: two layers,
-each tested on its own.
+the runners are still unwinding. Reads pass through. The calls a backend makes
+of its own accord (tearing down a launch whose runner gave up) pass the same check
+(`fence_own_calls`): a runner stopped because its lease ran out leaves that
+cluster to the job's next holder. Every such call also carries the job's epoch, so
+a backend that can fence refuses it too: two layers, each tested on its own.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class LeaseGuard(BackendWrapper):
         super().__init__(inner)
         self._wait_lease = wait_lease
         self._handed_back = handed_back
+        inner.fence_own_calls(self._check)
 
     async def _check(self, what: str) -> None:
         if not await self._wait_lease():
