@@ -2,7 +2,9 @@
 
 A service given CPUs pins every thread it has when it starts, before it serves: its
 event loop, the database's threads and gRPC's. Threads started later inherit the
-pinning of the thread that starts them, so the whole process stays on those CPUs.
+pinning of the thread that starts them, so the whole process stays on those CPUs,
+but for a thread whose work must overlap the event loop's (the scheduler's SQLite
+writes, `unpin_thread`).
 
 What it is for: the scheduler answers clients on one event loop, and every message
 it handles passes between its threads (contract §15 sets its answer times). When
@@ -63,6 +65,14 @@ def unpinned() -> frozenset[int]:
     backend starts runs on, so that a replica set apart from the scheduler does not
     keep its users' tasks off the scheduler's CPU."""
     return available() if _before_pin is None else _before_pin
+
+
+def unpin_thread(thread_id: int) -> None:
+    """Lets one thread (its native id) run on every CPU this process had before `pin`
+    again: a thread whose work must overlap the event loop's rather than wait for the
+    loop's CPU (`sqlite_thread`). Does nothing in a process never pinned."""
+    if _before_pin is not None:
+        os.sched_setaffinity(thread_id, _before_pin)
 
 
 def available() -> frozenset[int]:
