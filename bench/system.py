@@ -55,7 +55,6 @@ def running_system(
     scheduler_args: Sequence[str] = (),
     controller_args: Sequence[str] = (),
     tls: bool = False,
-    cpu_layout: str = "",
 ) -> Iterator[Stack]:
     probe_filesystem(data_dir)
     config = data_dir / "simcloud.yaml"
@@ -69,7 +68,7 @@ def running_system(
         simcloud_args=["--config", str(config), "--log-level", "WARNING"],
         tls=tls,
         # As `services.stack`: the scheduler on a CPU of its own unless told otherwise.
-        cpu_layout=cpu_layout or os.environ.get("MJ_CPU_LAYOUT", "apart"),
+        cpu_layout=os.environ.get("MJ_CPU_LAYOUT", "apart"),
     )
     stack.start(timeout=60)
     try:

@@ -25,7 +25,6 @@ per request or stream shows as far more than that.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +32,7 @@ from typing import Any
 import grpc
 import psutil
 import pytest
+from e2e import clean_env
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
@@ -56,10 +56,6 @@ IN_FLIGHT = 32
 GROWTH = 0.10
 # A job that runs for a day on the sim cloud: its logs can be followed all along.
 LONG_JOB = "name: abused\nrun: sleep\nsim:\n  runtime_seconds: 86400\n"
-
-
-def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("MJ_")}
 
 
 @pytest.fixture(scope="module")
