@@ -4,19 +4,19 @@ Starts `mj-scheduler` as a process, once per security mode: `none` (no
 authentication, plaintext), `tokens` (bearer tokens on every call: a controller
 token for the replica, an admin's for the submitters, as `make up` runs) and
 `tls` (tokens, TLS and mTLS, as docker-compose runs); connects one benchmark
-replica over
-ConnectController (a real stream client with ample capacity that records when
-each assignment arrives), then measures:
+replica over ConnectController (a real stream client with ample capacity that
+records when each assignment arrives), then measures:
 - sustained submissions per second over N jobs from concurrent clients, each
   job its own `SubmitJob` call, or `--batch` jobs per `SubmitJobs` call;
 - submit -> launch-granted latency (the assignment reaching the replica) p50/p99,
   submitting one job at a time with spare capacity.
-Prints one JSON line per database and mode, the secured modes with their
-throughput relative to `none` (`cost_vs_none`, contract §14: under 10%). Targets
-(contract §15): >= 2,000/s, p99 <= 50 ms. With single calls each line also gives
-the floor gRPC itself sets on this machine (`empty_handler_floor`): the same
-callers against a server whose `SubmitJob` answers at once, with no
-authentication and no database, and that server's CPU per call.
+Records one JSON line per database and mode (`results.py`), the secured modes with
+their throughput relative to `none` (`cost_vs_none`, contract §14). Targets: the
+"submissions" and "submit -> launch granted" rows of contract §15. With single
+calls each line also gives the floor gRPC itself sets on this machine
+(`empty_handler_floor`): the same callers against a server whose `SubmitJob`
+answers at once, with no authentication and no database, and that server's CPU
+per call.
 
     .venv/bin/python bench/admission.py [--jobs 5000] [--latency-jobs 300] [--postgres URL]
         [--only sqlite|postgres] [--modes none,tokens,tls] [--batch 1]
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import statistics
 import subprocess
 import sys
@@ -40,7 +39,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machine import machine, probe_filesystem
+from machine import probe_filesystem
+from results import record
 from system import cpu_seconds, empty_server, postgres_database
 
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -296,10 +296,8 @@ def main() -> None:
                 baseline = rate
             elif baseline:
                 figures["cost_vs_none"] = round(1 - rate / baseline, 3)
-            print(json.dumps({"bench": "admission", "database": kind, "security": mode,
-                              "jobs": args.jobs, "batch": args.batch, **figures, **floor,
-                              "machine": machine()}),
-                  flush=True)  # fmt: skip
+            record("admission", {"database": kind, "security": mode, "jobs": args.jobs,
+                                 "batch": args.batch, **figures, **floor})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machine import machine
+from results import record
 from system import channel, cpu_seconds, processes, running_system
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
@@ -67,7 +66,7 @@ def main() -> None:
                 "ms_per_change": round(1000 * seconds / changes, 3),
                 "scheduler_cpu_ms_per_change": round(1000 * cpu / changes, 3),
             }
-    print(json.dumps({"bench": "chain", **figures, "machine": machine()}), flush=True)
+    record("chain", figures)
 
 
 if __name__ == "__main__":

@@ -8,11 +8,10 @@ steady rate with idempotency keys, a random replica SIGKILLed at seeded random
 intervals and restarted with the same id after a seeded random delay. Once every
 job is DONE it judges the run's durable record with the history checker
 (`tests/history.py`: one terminal status per job, no finished task redone, no
-duplicate launch, no cluster left; the other kinds counted) and prints one JSON
-line: the figures
-(resume latency after a kill, p50 and p99, against the §15 target of lease TTL
-+ 2 s; kills, preemptions, recoveries), the problems found, and the machine.
-Exits 1 when it found a problem.
+duplicate launch, no cluster left; the other kinds counted) and records one JSON
+line (`results.py`): the figures (resume latency after a kill, p50 and p99, against
+the "replica killed -> its jobs resumed" row of contract §15; kills, preemptions,
+recoveries), the problems found, and the machine. Exits 1 when it found a problem.
 
     python bench/chaos.py [--jobs 1000] [--kills-per-minute 3] [--seconds 300]
 
@@ -22,7 +21,6 @@ Needs the PostgreSQL server (MJ_TEST_POSTGRES_URL, default the local one).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -32,8 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from machine import machine  # noqa: E402
 from reliability import ADMIN_URL  # noqa: E402
+from results import record  # noqa: E402
 from soak import SoakConfig, run_soak  # noqa: E402
 
 
@@ -77,18 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="mj-chaos-") as scratch:
         data_dir = Path(args.data_dir or scratch).resolve()
         report = run_soak(config, data_dir, args.database_url, progress)
-    print(
-        json.dumps(
-            {
-                "bench": "chaos",
-                **report.figures,
-                "kill_interval_seconds": list(config.kill_interval),
-                "first_problems": report.problems[:20],
-                "first_violations": [str(v) for v in report.violations[:20]],
-                "machine": machine(),
-            }
-        ),
-        flush=True,
+    record(
+        "chaos",
+        {
+            **report.figures,
+            "kill_interval_seconds": list(config.kill_interval),
+            "first_problems": report.problems[:20],
+            "first_violations": [str(v) for v in report.violations[:20]],
+        },
     )
     return 1 if report.problems or report.violations else 0
 

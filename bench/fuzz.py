@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import collections
 import dataclasses
-import json
 import logging
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from fuzz_system import Fuzzer, fuzzing_system  # noqa: E402
 from fuzzing import Attempt, attempts, explore  # noqa: E402
 from identities import make_identities  # noqa: E402
 from machine import machine  # noqa: E402
+from results import record  # noqa: E402
 
 from services.common.access import POLICY  # noqa: E402
 
@@ -137,7 +137,7 @@ def main() -> None:
     parser.add_argument("--methods", default="", help="only RPCs whose name contains this")
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(run(args))))
+    record("fuzz", asyncio.run(run(args)))
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ controller replicas, logs, a seeded sim cloud), a seeded workload of jobs and
 chains with cancels right after submit, while launching and later, and a seeded
 fault schedule of replica SIGKILLs, replicas paused past their lease, scheduler
 restarts, PostgreSQL outages and spot preemptions. Each seed's durable record is
-judged by the history checker (`tests/history.py`). Prints one JSON line: the
-violations per kind and the faults carried out per kind, summed over the seeds and
-per seed, and the machine. The violations themselves go to stderr with
-`--details`. Exits 1 when a seed shows a violation or a problem.
+judged by the history checker (`tests/history.py`). Records one JSON line
+(`results.py`): the violations per kind and the faults carried out per kind, summed
+over the seeds and per seed, and the machine. The violations themselves go to
+stderr with `--details`. Exits 1 when a seed shows a violation or a problem.
 
     python bench/history.py [--seeds 1 2 3 4 5] [--jobs 60] [--fault-seconds 90]
     python bench/history.py --ci --seeds 2 --details --data-dir /tmp/h   # one CI seed
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import sys
 import tempfile
 import time
@@ -34,8 +33,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from faults import FaultKind  # noqa: E402
 from history_run import RunConfig, run_history  # noqa: E402
-from machine import machine  # noqa: E402
 from reliability import ADMIN_URL  # noqa: E402
+from results import record  # noqa: E402
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -116,18 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.details and (report.violations or report.problems):
                 print(f"seed {seed}:", *report.problems, file=sys.stderr, sep="\n")
                 print(report.details, *report.internal, file=sys.stderr, sep="\n", flush=True)
-    print(
-        json.dumps(
-            {
-                "bench": "history",
-                "seeds": args.seeds,
-                "violations": dict(violations),
-                "faults": dict(sorted(faults.items())),
-                "per_seed": per_seed,
-                "machine": machine(),
-            }
-        ),
-        flush=True,
+    record(
+        "history",
+        {
+            "seeds": args.seeds,
+            "violations": dict(violations),
+            "faults": dict(sorted(faults.items())),
+            "per_seed": per_seed,
+        },
     )
     return 1 if failed else 0
 

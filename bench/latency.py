@@ -14,7 +14,8 @@ replica), then:
   in a process of its own, plaintext and without authentication
   (`sequential_floor`, as many calls): what gRPC's round trip alone costs on this
   machine, the floor under `sequential_submit`.
-Targets (contract §15): submit -> launch p99 <= 50 ms; a sequential submit p99 <= 10 ms.
+Target: the "submit -> launch granted" row of contract §15. Records one JSON line
+(`results.py`).
 
     .venv/bin/python bench/latency.py [--jobs 200] [--gaps 0.5,0.05] [--sequential 300]
     (`--gaps ''`: the sequential client alone)
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machine import machine
+from results import record
 from system import LONG_SPEC, CpuMeter, channel, empty_server, running_system, summary
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
@@ -136,10 +136,7 @@ def main() -> None:
         figures["sequential_submit"] = asyncio.run(sequential(stack, args.sequential))
         figures["sequential_submit_mj_client"] = sequential_blocking(stack, args.sequential)
     figures["sequential_floor"] = asyncio.run(sequential_floor(args.sequential))
-    print(
-        json.dumps({"bench": "latency", "jobs": args.jobs, **figures, "machine": machine()}),
-        flush=True,
-    )
+    record("latency", {"jobs": args.jobs, **figures})
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
-"""The machine a benchmark ran on, for its JSON line.
+"""The machine a benchmark ran on, for its JSON line (`results.py`).
 
 Besides what the machine is, two readings of how it behaved that day:
 
 - `python_loop_s`: a bare Python loop of 3M iterations, taken as the line is
-  printed. The same code's figures differ by up to 3x between machines of the
-  same kind (and drift within a day); compare runs through this.
+  recorded. The same code's figures differ widely between machines of the same
+  kind, and drift within a day; compare runs through this, and compare revisions
+  only in paired runs (bench/README.md).
 - `filesystem`: creating empty files in the benchmark's data folder, timed
-  before the system starts (`probe_filesystem`). On an ext4 without a journal
-  (these machines' root), creating a file passes over every inode of its group
-  deleted in the last one to six minutes (the kernel will not reuse them yet),
-  so a run soon after another (each deletes its data folder, thousands of
-  files) pays that scan for every log file it creates: 130-220 us per file
-  here against 20-35 on a quiet filesystem, which roughly doubled the logs
-  service's CPU per cancel.
+  before the system starts (`probe_filesystem`). On an ext4 without a journal,
+  creating a file passes over every inode of its group deleted in the last few
+  minutes (the kernel will not reuse them yet), so a run soon after another
+  (each deletes its data folder, thousands of files) pays that scan for every
+  log file it creates, and the logs service's CPU per job with it
+  (docs/performance.md, "Files cost").
 """
 
 from __future__ import annotations

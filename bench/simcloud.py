@@ -6,8 +6,8 @@ Starts `mj-simcloud` as its own process (as in production), launches N clusters
 reports launch calls per second. Then, with every cluster live,
 reads the process's RSS with psutil. Launch latency is 0 in the bench's config,
 so the figure is what the API and the model can take, not how long a simulated
-provision lasts. Prints one JSON line with the figures and the machine; stops
-the cloud afterwards.
+provision lasts. Records one JSON line with the figures and the machine
+(`results.py`); stops the cloud afterwards.
 
     python bench/simcloud.py [--clusters 20000] [--concurrency 256]
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import psutil
-from machine import machine
+from results import record
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
@@ -115,21 +114,18 @@ def main() -> None:
             log.close()
     if state.live_clusters != args.clusters:
         raise SystemExit(f"expected {args.clusters} live clusters, not {state.live_clusters}")
-    print(
-        json.dumps(
-            {
-                "bench": "simcloud",
-                "live_clusters": state.live_clusters,
-                "launch_calls_per_second": round(args.clusters / seconds, 1),
-                "launch_seconds": round(seconds, 2),
-                "concurrency": args.concurrency,
-                "rss_mb_idle": round(rss_idle / 2**20, 1),
-                "rss_mb_at_live_clusters": round(rss_live / 2**20, 1),
-                "rss_kb_per_cluster": round((rss_live - rss_idle) / 1024 / args.clusters, 2),
-                "events": state.head_seq,
-                "machine": machine(),
-            }
-        )
+    record(
+        "simcloud",
+        {
+            "live_clusters": state.live_clusters,
+            "launch_calls_per_second": round(args.clusters / seconds, 1),
+            "launch_seconds": round(seconds, 2),
+            "concurrency": args.concurrency,
+            "rss_mb_idle": round(rss_idle / 2**20, 1),
+            "rss_mb_at_live_clusters": round(rss_live / 2**20, 1),
+            "rss_kb_per_cluster": round((rss_live - rss_idle) / 1024 / args.clusters, 2),
+            "events": state.head_seq,
+        },
     )
 
 

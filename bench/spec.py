@@ -5,7 +5,7 @@ Measures, in one process, the best of several rounds:
 - a ten-task chain;
 - a 1,000-task chain (the longest allowed) and an alias bomb refused without
   being expanded, the two worst cases an attacker can send.
-Prints one JSON line.
+Records one JSON line (`results.py`).
 
     .venv/bin/python bench/spec.py [--rounds 7]
 """
@@ -13,7 +13,6 @@ Prints one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machine import machine
+from results import record
 
 from services.scheduler.spec import SpecError, parse_job_spec
 
@@ -90,7 +89,7 @@ def main() -> None:
         seconds = best_seconds(call, number, args.rounds)
         figures[f"{label}_us"] = round(seconds * 1e6, 1)
         figures[f"{label}_per_s"] = round(1 / seconds)
-    print(json.dumps({"bench": "spec", **figures, "machine": machine()}), flush=True)
+    record("spec", figures)
 
 
 if __name__ == "__main__":

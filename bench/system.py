@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import multiprocessing
 import os
 import statistics
@@ -25,7 +24,8 @@ from typing import Any
 
 import grpc
 import psutil
-from machine import machine, probe_filesystem
+from machine import probe_filesystem
+from results import record
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -90,8 +90,7 @@ def run_jobs_bench(
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, running_system(Path(tmp)) as stack:
         figures = asyncio.run(measure(stack, args.jobs))
-    line = {"bench": bench, "jobs": args.jobs, **figures, "machine": machine()}
-    print(json.dumps(line), flush=True)
+    record(bench, {"jobs": args.jobs, **figures})
 
 
 class JobEvents:

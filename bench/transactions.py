@@ -10,8 +10,9 @@ scheduler runs it) and times, in one process, transactions that run a single
 - `read`: a read (`db.read()`, on the event loop's thread);
 - `sqlite3_write`: BEGIN IMMEDIATE, the SELECT and COMMIT straight through the
   `sqlite3` module on the same file: SQLite's own share.
-A sequential client's job takes about 2.2 write transactions (`bench/latency.py`);
-this is what each costs before its statements' own work.
+A sequential client's job takes a few write transactions (its submission, its
+share of admission passes and of report batches); this is what each costs before
+its statements' own work.
 Then `submission`: real submissions (`Store.submit`, a job of one task, as a
 client's `SubmitJob` stores it) one after another, their wall time p50/p99/max in
 ms, and how many checkpoints copied SQLite's log back meanwhile: every commit
@@ -22,7 +23,7 @@ Then `batches`: the batch paths, in CPU microseconds per job: `--batch` jobs
 applied as one batch each (`Reports.apply`), and the jobs released from the
 replica, the mean of `--batch-rounds` rounds, on SQLite and (with `--postgres`)
 on a fresh PostgreSQL database: what the statements that name many jobs cost.
-Prints one JSON line.
+Records one JSON line (`results.py`).
 
     .venv/bin/python bench/transactions.py [--number 2000] [--rounds 5] [--submissions 5000]
         [--batch 500] [--batch-rounds 6] [--postgres URL]
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sqlite3
 import sys
 import tempfile
@@ -42,7 +42,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from machine import machine, probe_filesystem
+from machine import probe_filesystem
+from results import record
 from sqlalchemy import text
 from system import postgres_database, summary
 
@@ -172,7 +173,7 @@ def main() -> None:
             kind: asyncio.run(batches(url, args.batch, args.batch_rounds))
             for kind, url in urls.items()
         }
-    print(json.dumps({"bench": "transactions", **figures, "machine": machine()}), flush=True)
+    record("transactions", figures)
 
 
 if __name__ == "__main__":

@@ -157,10 +157,9 @@ def settle_heap() -> None:
     """Sets what exists now aside from the garbage collector, for good (`gc.freeze`).
 
     A started service's objects (modules, protobuf descriptors, the ORM's tables) live
-    as long as the process; a full collection would scan them all each time, a pause
-    of ~50 ms on the event loop (the scheduler's, twice in 600 sequential
-    submissions). Frozen, they are never scanned, and a full collection looks only
-    at what the service made since.
+    as long as the process; a full collection would scan them all each time, and the
+    event loop, with every call in flight, would wait out the scan. Frozen, they are
+    never scanned, and a full collection looks only at what the service made since.
     """
     gc.collect()
     gc.freeze()

@@ -8,7 +8,9 @@ import psutil
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 
-# Measured controller memory per live job (bench/ reports the current figure).
+# The memory a replica counts per live job in its capacity: more than a job takes
+# (`replica_kb_per_job` in bench/scale.py's results), so a replica is never offered
+# more jobs than its memory holds.
 DEFAULT_MEMORY_PER_JOB_KB = 64
 
 

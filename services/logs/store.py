@@ -18,11 +18,11 @@ Invariants:
   before it takes its place. Logs saved at once (many jobs ending together) are
   written in a few trips to worker threads: all their files first, then synced,
   then put in place. On Linux a trip of several logs is synced with one `syncfs`
-  of the logs' filesystem: an fsync per file cost ~0.7-1 ms of CPU each (a new
-  file's fsync also makes its folder's entry durable: a journal commit on ext4,
-  a write of each parent folder without a journal), one syncfs per trip ~0.2 ms
-  per file in all. (It also writes out whatever else on that filesystem
-  waits to be: give the logs a filesystem of their own where that matters.)
+  of the logs' filesystem: a new file's fsync also makes its folder's entry
+  durable (a journal commit on ext4, a write of each parent folder without a
+  journal), a cost paid once per file that one syncfs pays once per trip. (It
+  also writes out whatever else on that filesystem waits to be: give the logs a
+  filesystem of their own where that matters.)
 - Attempts are kept in the order of their numbers, whatever order they were fetched
   in, and joined with `separator()`, exactly as a live follower joins the clusters
   it tails, so "byte N of this attempt's log" means the same thing live and in the

@@ -1,13 +1,12 @@
 """`column IN (ids)` with the ids as one bound parameter: a JSON array.
 
 SQLAlchemy's `IN` with an expanding parameter renders one placeholder per value
-and processes each value in Python on every execution: a report batch's lookup
-of 500 jobs cost ~3-4 ms of CPU that way against ~2 ms with the list as one
-JSON parameter (SQLite, 2 cores), and each list length made a statement of its
-own (PostgreSQL prepares each). Here the statement's text never changes: the
-database unpacks the array itself, SQLite with `json_each`, PostgreSQL with
-`jsonb_array_elements`, and the primary key still serves the lookup (the store's
-tests check the plans).
+and processes each value in Python on every execution, so a lookup's CPU grows
+with its list in Python, not only in the database; and each list length made a
+statement of its own (PostgreSQL prepares each). Here the statement's text never
+changes: the database unpacks the array itself, SQLite with `json_each`,
+PostgreSQL with `jsonb_array_elements`, and the primary key still serves the
+lookup (the store's tests check the plans).
 
     in_ids(JOBS.c.id, param=ids_param("ids"))                # a list bound later
     in_ids(TASKS.c.job_id, TASKS.c.task_id, values=[(1, 0)]) # values bound now

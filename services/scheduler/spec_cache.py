@@ -1,9 +1,9 @@
 """Parsed job specs, remembered: a sweep submits the same YAML many times.
 
 Parsing and validating a spec (`spec.parse_job_spec`: YAML, every field's
-checks, the task protos) cost the scheduler ~90 us per submission, about a
-seventh of its CPU per job under a stream of submissions. The answer is a pure
-function of the text, the submission's name and envs, and the regions the
+checks, the task protos) is a noticeable share of the scheduler's CPU per job
+under a stream of submissions (`bench/spec.py` measures it). The answer is a
+pure function of the text, the submission's name and envs, and the regions the
 replicas offer, so it is kept by those, least recently used first out.
 
 Bounded twice: at most `MAX_ENTRIES` answers, and only for submissions whose
