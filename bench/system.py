@@ -2,9 +2,8 @@
 
 Every benchmark that measures the running system starts it here, so they all
 run the same topology (sim cloud, scheduler, logs, replicas) with the same
-settings, and reach it the same way. It is laid out on the CPUs as `make up` lays
-it out: the scheduler on a CPU of its own, the other services on the rest
-(`MJ_CPU_LAYOUT=any` leaves every process to the OS, to compare).
+settings, and reach it the same way. As under `make up`, every process runs
+wherever the OS puts it.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing
-import os
 import statistics
 import tempfile
 import time
@@ -67,8 +65,6 @@ def running_system(
         controller_args=[*CONTROLLER_ARGS, *controller_args],
         simcloud_args=["--config", str(config), "--log-level", "WARNING"],
         tls=tls,
-        # As `services.stack`: the scheduler on a CPU of its own unless told otherwise.
-        cpu_layout=os.environ.get("MJ_CPU_LAYOUT", "apart"),
     )
     stack.start(timeout=60)
     try:

@@ -46,7 +46,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.backends import BACKENDS
 from services.backends.ssh.config import NodePool, load_node_pools
-from services.common import cpus
 from services.common.auth import Secrets, local_user
 from services.common.certs import make_certificates
 from services.common.channels import ClientSecurity, TokenSource, open_sync_channel
@@ -238,10 +237,6 @@ class Service:
             self.process.wait()
 
 
-# How `Stack` places its services on this host's CPUs (`cpus.scheduler_apart`).
-CPU_LAYOUTS = ("apart", "any")
-
-
 class Stack:
     """The topology of contract §13 as local processes, on the ports given or free ones."""
 
@@ -261,7 +256,6 @@ class Stack:
         ssh_node_pools: str = "",
         auth: bool = True,
         tls: bool = False,
-        cpu_layout: str = "any",
     ) -> None:
         self.data_dir = data_dir.resolve()
         self.data_dir.mkdir(parents=True, exist_ok=True)
@@ -271,11 +265,6 @@ class Stack:
         controller_ids = [f"controller-{index + 1}" for index in range(replicas)]
         # Each service's own token and certificate, by service name.
         own = self._secure(base, controller_ids, auth, tls)
-        # `apart`: the scheduler on a CPU of its own, every other service on the rest;
-        # `any` (or one CPU): none pinned, whatever MJ_CPUS the caller's shell has.
-        apart = cpus.scheduler_apart(cpus.available() if cpu_layout == "apart" else frozenset())
-        for name in own:
-            own[name]["MJ_CPUS"] = cpus.format_cpus(apart[0] if name == "scheduler" else apart[1])
         self.env = base
         self.scheduler_address = f"127.0.0.1:{scheduler_port or free_port()}"
         self.logs_address = f"127.0.0.1:{logs_port or free_port()}"
@@ -542,16 +531,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         action="store_true",
         help="TLS and mTLS between every process, with certificates made under DATA_DIR/tls",
     )
-    parser.add_argument(
-        "--cpu-layout",
-        choices=CPU_LAYOUTS,
-        default=os.environ.get("MJ_CPU_LAYOUT", "apart"),
-        help="apart: the scheduler on a CPU of its own and the other services on the rest "
-        "(with two CPUs or more); any: every service on any CPU (env MJ_CPU_LAYOUT)",
-    )
     args = parser.parse_args(argv)
-    if args.cpu_layout not in CPU_LAYOUTS:
-        parser.error(f"MJ_CPU_LAYOUT={args.cpu_layout!r}: choose one of {', '.join(CPU_LAYOUTS)}")
     if args.backend not in BACKENDS:  # from MJ_BACKEND: argparse checks only flags
         parser.error(f"MJ_BACKEND={args.backend!r}: choose one of {', '.join(BACKENDS)}")
     simcloud_args: list[str] | None = None
@@ -576,7 +556,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         simcloud_port=50071,
         ssh_node_pools=args.ssh_node_pools if args.backend == "ssh" else "",
         tls=args.tls,
-        cpu_layout=args.cpu_layout,
     )
     stopping = False
 

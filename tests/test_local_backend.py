@@ -79,23 +79,6 @@ async def test_each_rank_sees_its_rank_node_count_and_ids(backend: LocalBackend)
     assert sorted(p.name for p in logs_dir.iterdir()) == ["rank-0.log", "rank-1.log"]
 
 
-async def test_the_ranks_run_on_the_cpus_the_backend_gives_its_tasks(tmp_path: Path) -> None:
-    """A replica kept to some CPUs (`--cpus`) starts its users' code on the CPUs it had
-    before (`cpus.unpinned`): here, any one CPU the backend is told to use."""
-    cpu = max(os.sched_getaffinity(0))
-    backend = LocalBackend(tmp_path / "clusters", poll_interval=0.05, task_cpus=frozenset({cpu}))
-    try:
-        handle = await backend.launch(
-            request("pinned", num_nodes=2, run="grep Cpus_allowed_list /proc/self/status")
-        )
-        await wait_task(backend, handle, TaskStatus.SUCCEEDED)
-        assert await backend.read_logs(handle) == (
-            f"(rank=0) Cpus_allowed_list:\t{cpu}\n(rank=1) Cpus_allowed_list:\t{cpu}\n".encode()
-        )
-    finally:
-        await remove_all(backend)
-
-
 async def test_nonzero_run_exit_fails_the_task_with_its_code(backend: LocalBackend) -> None:
     handle = await backend.launch(request("exit3", run="echo about to fail; exit 3"))
 

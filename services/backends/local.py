@@ -8,8 +8,7 @@ judge a cluster from its name alone:
 
     <root>/.state/     epochs, locks and the uid hand-out (`local_fencing`), owner only
     <root>/<name>/     the cluster, root's, mode 0711 (`local_users` on who may enter)
-      task.json          the TaskRequest, launch_id, run_as and ranks_cpus (the CPUs
-                         the ranks run on), written by `launch`
+      task.json          the TaskRequest, launch_id and run_as, written by `launch`
       status.json        {"status", "exit_codes", "exit_code", "start_time",
                          "end_time", "pid", "stop"}, replaced atomically by the supervisor
       supervisor.pid     the supervisor's pid, written once status.json exists
@@ -105,7 +104,6 @@ from services.backends.local_users import (
     parse_uid_range,
     parse_workdir_roots,
 )
-from services.common import cpus
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +132,6 @@ class LocalBackend(Backend):
         run_as: str = DEFAULT_RUN_AS,
         run_as_uids: range = parse_uid_range(DEFAULT_RUN_AS_UIDS),
         workdir_roots: Sequence[Path] | None = None,
-        task_cpus: frozenset[int] | None = None,
     ) -> None:
         """Creates the backend.
 
@@ -149,8 +146,6 @@ class LocalBackend(Backend):
             run_as_uids: The uids handed out, one per cluster, when root.
             workdir_roots: Folders a task's workdir must be under (default: the
                 current folder).
-            task_cpus: CPUs the ranks run on (default: the CPUs this process had
-                before its own `--cpus`, `cpus.unpinned`).
         """
         self._root = Path(root).expanduser().resolve()
         self._poll_interval = poll_interval
@@ -158,7 +153,6 @@ class LocalBackend(Backend):
         self._start_timeout = start_timeout
         self._fence = EpochFence(self._root)
         self._confinement = Confinement(run_as, run_as_uids, workdir_roots)
-        self._task_cpus = task_cpus
         # A launch is a process (and a copy of the workdir), not an RPC.
         self.launch_concurrency = 4 * (os.cpu_count() or 1)
         # Supervisors this process started, kept so their exit status is reaped.
@@ -314,7 +308,6 @@ class LocalBackend(Backend):
             layout.dir.mkdir()
             layout.dir.chmod(0o711)
             task["run_as"] = run_as.to_json() if run_as else None
-            task["ranks_cpus"] = sorted(self._task_cpus or cpus.unpinned())
             write_json_atomic(layout.task_file, task)
         self._make_user_folders(layout, workdir, run_as)
         layout.logs_dir.mkdir(mode=0o700)

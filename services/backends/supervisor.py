@@ -166,7 +166,6 @@ class Supervisor:
         uid = run_uid(task) if os.geteuid() == 0 else None
         if uid is not None:
             self._run_as = task["run_as"]
-        _run_on(task.get("ranks_cpus"))
         if self._prctl is not None:
             self._prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
         # Fork before installing handlers: the guardian keeps default dispositions.
@@ -394,17 +393,6 @@ class Supervisor:
         self._record_children()
         self._status["stop"] = {"grace": grace, "sigkill": bool(live), "time": time.time()}
         write_json_atomic(self._layout.status_file, self._status)
-
-
-def _run_on(cpus: Any) -> None:
-    """Moves the supervisor, and so every rank it starts, onto task.json's
-    `ranks_cpus`: the replica's own (`--cpus`) are not its users'."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        os.sched_setaffinity(0, cpus)
-    except (OSError, TypeError, ValueError) as exc:
-        _log(f"stays on CPUs {sorted(os.sched_getaffinity(0))}, not {cpus!r}: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,6 @@ from managedjobs.v1 import controller_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs, settings
 from services.common.channels import ClientSecurity
-from services.common.cpus import CPUS, pin
 from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
@@ -115,7 +114,6 @@ SETTINGS = (
     *settings.SERVER_SECURITY,
     *settings.CLIENT_SECURITY,
     METRICS_PORT,
-    CPUS,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -193,7 +191,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
     args.data_dir = str(Path(args.data_dir).resolve())
     logs.setup("controller", args.log_level)
-    pin(args.cpus)
     security = server_security("mj-controller", vars(args))
     try:
         client = ClientSecurity.from_settings(vars(args))

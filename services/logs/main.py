@@ -17,7 +17,6 @@ from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs
 from services.common.channels import ClientSecurity
-from services.common.cpus import CPUS, pin
 from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import Server, run_until_signal
@@ -70,7 +69,6 @@ SETTINGS = (
     *SERVER_SECURITY,
     *CLIENT_SECURITY,
     METRICS_PORT,
-    CPUS,
     LOG_LEVEL,
     SHUTDOWN_GRACE,
     TAIL_POLL_INTERVAL,
@@ -82,7 +80,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Runs the logs service until SIGTERM or SIGINT."""
     args = parse("mj-logs", "Serves task and controller logs of managed jobs.", SETTINGS, argv)
     logs.setup("logs", args.log_level)
-    pin(args.cpus)
     security = server_security("mj-logs", vars(args))
     try:
         client = ClientSecurity.from_settings(vars(args))

@@ -22,7 +22,6 @@ from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from services.common import logs, settings
-from services.common.cpus import CPUS, pin
 from services.common.edge import ServerSecurity, server_security
 from services.common.errors import register_translator
 from services.common.metrics import METRICS_PORT, serve_metrics
@@ -112,7 +111,6 @@ SETTINGS = (
     ),
     *settings.SERVER_SECURITY,
     METRICS_PORT,
-    CPUS,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -277,7 +275,6 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-scheduler", __doc__ or "", SETTINGS, argv)
     logs.setup("scheduler", args.log_level)
-    pin(args.cpus)
     security = server_security("mj-scheduler", vars(args))
     asyncio.run(serve(args, security))
 

@@ -19,7 +19,6 @@ import os
 from collections.abc import Sequence
 
 from services.common import logs, settings
-from services.common.cpus import CPUS, pin
 from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.server import run_until_signal
@@ -49,7 +48,6 @@ SETTINGS = (
     settings.DATA_DIR,
     *settings.SERVER_SECURITY,
     METRICS_PORT,
-    CPUS,
     settings.LOG_LEVEL,
     settings.SHUTDOWN_GRACE,
 )
@@ -80,7 +78,6 @@ async def serve(args: argparse.Namespace, config: CloudConfig, security: ServerS
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-simcloud", __doc__ or "", SETTINGS, argv)
     logs.setup("simcloud", args.log_level)
-    pin(args.cpus)
     try:
         config = load_config(args.config).with_overrides(args.seed, args.time_scale)
     except ConfigError as exc:
