@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings as hypothesis_settings
+from sqlalchemy import Connection
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import job_service_pb2_grpc
@@ -77,10 +78,13 @@ async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 async def _reset_postgres(url: str) -> None:
     db = Database.open(url)
+
+    def reset(conn: Connection) -> None:
+        conn.exec_driver_sql("DROP SCHEMA public CASCADE")
+        conn.exec_driver_sql("CREATE SCHEMA public")
+
     try:
-        async with db.write_engine.begin() as conn:
-            await conn.exec_driver_sql("DROP SCHEMA public CASCADE")
-            await conn.exec_driver_sql("CREATE SCHEMA public")
+        await db.write(reset)
     finally:
         await db.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
@@ -76,7 +77,7 @@ async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slo
     hello("fast")
     for _ in range(5):  # 50 jobs running on "fast", every launch slot free again
         ids = await admit(10)
-        moves, _ = await store.move_many(ids, St.LAUNCHING, St.ALIVE, controller_id="fast")
+        moves = await store.move_many(ids, St.LAUNCHING, St.ALIVE, controller_id="fast")
         assert len(moves) == 10
     hello("slow")
     await admit(5)  # 5 jobs still launching on "slow"
@@ -88,6 +89,15 @@ async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slo
     assert live_counts(counters.counts) == live_counts(await store.recount())
 
 
+async def until(condition: Callable[[], bool], turns: int = 10_000) -> None:
+    """Lets the event loop run until `condition` holds (failing after `turns` turns)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
 async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_then(
     store: Store,
 ) -> None:
@@ -96,7 +106,8 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     submission goes first): the pass reads the queue in its own transaction, so it
     admits the better job, not the one it would have picked from a read made before
     it waited."""
-    assert store.db.gate is not None and store.db.gate.writers == 1
+    turns = store.db.turns
+    assert turns.writers == 1
     _, stream, admission = one_replica(store, max_launches=1)
     first = await store.submit(job())
     await admission.schedule()  # `first` takes the only launch slot
@@ -105,16 +116,16 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     release = asyncio.Event()
 
     async def hold_the_writer() -> None:
-        async with store.transaction():
+        async with turns.turn():
             await release.wait()
 
     holder = asyncio.create_task(hold_the_writer())
-    await asyncio.sleep(0)
+    await until(lambda: turns.holders == 1)
     admitting = asyncio.create_task(admission.schedule())
-    await asyncio.sleep(0.05)  # the pass waits for the writer
+    await until(lambda: turns.waiting == 1)  # the pass waits for the writer
     better = NewJob("j", "alice", 10, "", "", [job_pb2.TaskSpec(name="j", run="echo", num_nodes=1)])
     submitting = asyncio.create_task(store.submit(better))
-    await asyncio.sleep(0.05)
+    await until(lambda: turns.waiting == 2)
     release.set()
     await asyncio.gather(holder, admitting)
     better_id, _ = await submitting

@@ -164,8 +164,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.schedule()
 
     async def _finish(self, job: Any) -> None:
-        async with self.store.transaction() as txn:
-            await finish(txn, job.controller_id, job.id, job.epoch)
+        await self.store.transaction(lambda txn: finish(txn, job.controller_id, job.id, job.epoch))
 
     @rule(data=st.data())
     def cancel_waiting(self, data: st.DataObject) -> None:

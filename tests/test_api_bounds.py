@@ -194,8 +194,9 @@ async def wait_for_no_subscription(app: SchedulerApp) -> None:
 async def test_status_moves_of_more_jobs_than_one_statement_takes(app: SchedulerApp) -> None:
     """A cancel by name or a release may move the tasks of tens of thousands of jobs:
     PostgreSQL takes at most 32,767 parameters per statement, so ids go in chunks."""
-    async with app.store.transaction() as txn:
-        moved = await set_task_statuses(
+    moved = await app.store.transaction(
+        lambda txn: set_task_statuses(
             txn, list(range(1, 40_001)), [JobStatus.PENDING], JobStatus.CANCELLED
         )
+    )
     assert moved == []

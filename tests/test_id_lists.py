@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
-from sqlalchemy import select, update
+from sqlalchemy import Connection, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from services.common.statuses import ScheduleState
@@ -43,30 +43,40 @@ async def _jobs(store: Store, count: int) -> list[int]:
 
 async def test_ids_and_pairs_select_exactly_the_rows_named(store: Store) -> None:
     ids = await _jobs(store, 6)
-    async with store.db.read() as session:
+
+    def read(conn: Connection) -> None:
         picked = [ids[0], ids[3], ids[5], 10_000_000]  # one id that names no job
-        assert (await session.execute(BY_ID, {"ids": picked})).scalars().all() == picked[:3]
-        assert (await session.execute(BY_ID, {"ids": []})).scalars().all() == []
+        assert conn.execute(BY_ID, {"ids": picked}).scalars().all() == picked[:3]
+        assert conn.execute(BY_ID, {"ids": []}).scalars().all() == []
         pairs = [(ids[1], 1), (ids[2], 0), (ids[2], 7)]  # task 7 does not exist
-        rows = (await session.execute(BY_PAIR, {"ids": ids, "pairs": pairs})).all()
+        rows = conn.execute(BY_PAIR, {"ids": ids, "pairs": pairs}).all()
         assert [tuple(r) for r in rows] == [(ids[1], 1), (ids[2], 0)]
         # Values given with the condition instead of a named parameter: statements of the
         # same shape share one compiled form, and each runs with its own values.
         for values in ((ids[4], ids[1]), (ids[2],), (ids[0], ids[5], ids[3])):
             now = select(JOBS.c.id).where(in_ids(JOBS.c.id, values=values))
-            assert sorted((await session.execute(now)).scalars().all()) == sorted(values)
+            assert sorted(conn.execute(now).scalars().all()) == sorted(values)
+
+    await store.read(read)
 
 
 async def test_a_write_moves_only_the_rows_named(store: Store) -> None:
     ids = await _jobs(store, 4)
-    async with store.db.write() as session:
-        moved = await session.execute(
-            update(JOBS)
-            .where(in_ids(JOBS.c.id, JOBS.c.epoch, values=[(ids[0], 0), (ids[1], 5), (ids[3], 0)]))
-            .values(schedule_state=ScheduleState.DONE)
-            .returning(JOBS.c.id)
+    moved = await store.db.write(
+        lambda conn: (
+            conn.execute(
+                update(JOBS)
+                .where(
+                    in_ids(JOBS.c.id, JOBS.c.epoch, values=[(ids[0], 0), (ids[1], 5), (ids[3], 0)])
+                )
+                .values(schedule_state=ScheduleState.DONE)
+                .returning(JOBS.c.id)
+            )
+            .scalars()
+            .all()
         )
-        assert sorted(moved.scalars().all()) == [ids[0], ids[3]]  # job 1 is at epoch 0
+    )
+    assert sorted(moved) == [ids[0], ids[3]]  # job 1 is at epoch 0
 
 
 def test_the_statement_is_the_same_whatever_the_list() -> None:

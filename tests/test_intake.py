@@ -1,11 +1,13 @@
 """Submission intake (services/scheduler/intake.py): a lone submission commits in its own
-task; calls made meanwhile go next, together, each answered with its own id."""
+task; calls made meanwhile go next, together, each whole and answered with its own ids;
+one call's failure fails that call alone."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
 
+from services.scheduler.db import OutcomeUnknown
 from services.scheduler.intake import Intake
 from services.scheduler.store import NewJob
 
@@ -15,8 +17,9 @@ def job(name: str) -> NewJob:
 
 
 class FakeStore:
-    """Records each commit (its jobs' names and the task it ran in); commits can be held,
-    and a batch holding a job named "down" fails whole."""
+    """Records each commit (its jobs' names and the task it ran in); commits can be held;
+    a batch holding a job named "down" fails whole, and one holding "unsure" fails in
+    its COMMIT (outcome unknown)."""
 
     def __init__(self) -> None:
         self.commits: list[tuple[list[str], asyncio.Task[object] | None]] = []
@@ -29,6 +32,8 @@ class FakeStore:
             await self.hold.wait()
         if any(j.name == "down" for j in jobs):
             raise ConnectionError("the database is away")
+        if any(j.name == "unsure" for j in jobs):
+            raise OutcomeUnknown("the database failed during COMMIT")
         answers = []
         for _ in jobs:
             self.next_id += 1
@@ -71,22 +76,69 @@ async def test_calls_made_during_a_commit_go_next_as_one_batch_each_with_its_own
     assert store.commits[1][1] not in (first, *later, many)
 
 
-async def test_the_worker_keeps_batches_within_the_limit_and_the_intake_goes_idle() -> None:
+async def test_the_worker_batches_whole_calls_within_the_limit_and_the_intake_goes_idle() -> None:
     store = FakeStore()
     store.hold = asyncio.Event()
     intake = intake_over(store, max_batch=2)
     first = asyncio.create_task(intake.submit(job("a")))
     await asyncio.sleep(0)
-    queued = asyncio.create_task(intake.submit_many([job(n) for n in "bcde"]))
+    calls = [
+        asyncio.create_task(intake.submit_many([job(n) for n in names]))
+        for names in ("bc", "de", "f", "ghi")
+    ]
     await asyncio.sleep(0)
     store.hold.set()
     await first
-    assert await queued == [(2, True), (3, True), (4, True), (5, True)]
-    assert [names for names, _ in store.commits] == [["a"], ["b", "c"], ["d", "e"]]
+    answers = [await call for call in calls]
+    assert [[job_id for job_id, _ in answer] for answer in answers] == [
+        [2, 3], [4, 5], [6], [7, 8, 9]
+    ]  # fmt: skip
+    # A call is never split, even one larger than the limit.
+    assert [names for names, _ in store.commits] == [
+        ["a"], ["b", "c"], ["d", "e"], ["f", "g", "h", "i"]
+    ] or [names for names, _ in store.commits] == [
+        ["a"], ["b", "c"], ["d", "e"], ["f"], ["g", "h", "i"]
+    ]  # fmt: skip
     # Idle again: the next lone call commits in its own task.
-    assert await intake.submit(job("f")) == (6, True)
-    assert store.commits[-1][0] == ["f"]
+    assert await intake.submit(job("j")) == (10, True)
+    assert store.commits[-1][0] == ["j"]
     assert store.commits[-1][1] is asyncio.current_task()
+
+
+async def test_a_call_failing_in_a_shared_batch_fails_alone_and_the_others_are_stored() -> None:
+    store = FakeStore()
+    store.hold = asyncio.Event()
+    intake = intake_over(store)
+    first = asyncio.create_task(intake.submit(job("a")))
+    await asyncio.sleep(0)
+    good = asyncio.create_task(intake.submit_many([job("b"), job("c")]))
+    bad = asyncio.create_task(intake.submit_many([job("d"), job("down")]))
+    other = asyncio.create_task(intake.submit(job("e")))
+    await asyncio.sleep(0)
+    store.hold.set()
+    await first
+    results = await asyncio.gather(good, bad, other, return_exceptions=True)
+    assert isinstance(results[1], ConnectionError)
+    assert results[0] == [(2, True), (3, True)] and results[2] == (4, True)
+    # The shared batch failed whole; then each call went alone.
+    assert [names for names, _ in store.commits][1:] == [
+        ["b", "c", "d", "down", "e"], ["b", "c"], ["d", "down"], ["e"]
+    ]  # fmt: skip
+
+
+async def test_a_shared_batch_whose_outcome_is_unknown_fails_every_call_without_a_retry() -> None:
+    store = FakeStore()
+    store.hold = asyncio.Event()
+    intake = intake_over(store)
+    first = asyncio.create_task(intake.submit(job("a")))
+    await asyncio.sleep(0)
+    calls = [asyncio.create_task(intake.submit(job(n))) for n in ("b", "unsure")]
+    await asyncio.sleep(0)
+    store.hold.set()
+    await first
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, OutcomeUnknown) for r in results)
+    assert [names for names, _ in store.commits][1:] == [["b", "unsure"]]
 
 
 async def held(

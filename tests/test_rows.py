@@ -10,7 +10,7 @@ from test_store import new_job
 from services.common.statuses import JobStatus
 from services.scheduler.models import ATTEMPTS, JOBS, AttemptRow, JobRow
 from services.scheduler.rows import Tracked, values_of
-from services.scheduler.store import Store
+from services.scheduler.store import Store, Txn
 
 S = JobStatus
 
@@ -37,24 +37,30 @@ async def test_write_back_runs_one_statement_per_table_and_columns(sqlite_store:
     def record(_c: object, _cur: object, sql: str, _p: object, _ctx: object, many: bool) -> None:
         statements.append((sql.split()[0], many))
 
-    engine = sqlite_store.db.write_engine.sync_engine
+    engine = sqlite_store.db.write_engine
+
+    def body(txn: Txn) -> None:
+        rows = values_of(txn.conn.execute(select(JOBS).where(JOBS.c.id.in_(ids))))
+        jobs = {row["id"]: txn.track(JOBS, row) for row in rows}
+        for job_id in ids[:3]:
+            jobs[job_id].wait_reason = f"w{job_id}"  # three rows, one column
+        jobs[ids[3]].epoch = 9  # another column
+        txn.track_new(ATTEMPTS, job_id=ids[0], task_id=0, attempt=1, outcome="x")
+        statements.clear()
+
     event.listen(engine, "before_cursor_execute", record)
     try:
-        async with sqlite_store.transaction() as txn:
-            rows = values_of(await txn.session.execute(select(JOBS).where(JOBS.c.id.in_(ids))))
-            jobs = {row["id"]: txn.track(JOBS, row) for row in rows}
-            for job_id in ids[:3]:
-                jobs[job_id].wait_reason = f"w{job_id}"  # three rows, one column
-            jobs[ids[3]].epoch = 9  # another column
-            txn.track_new(ATTEMPTS, job_id=ids[0], task_id=0, attempt=1, outcome="x")
-            statements.clear()
+        await sqlite_store.transaction(body)
     finally:
         event.remove(engine, "before_cursor_execute", record)
     # The insert, then the two UPDATEs (the first for three rows at once).
     assert statements == [("INSERT", False), ("UPDATE", True), ("UPDATE", False)]
-    async with sqlite_store.db.read() as session:
-        got = (await session.execute(select(JobRow.id, JobRow.wait_reason, JobRow.epoch))).all()
-        attempts = (await session.execute(select(AttemptRow.outcome))).scalars().all()
+    got = await sqlite_store.read(
+        lambda conn: conn.execute(select(JobRow.id, JobRow.wait_reason, JobRow.epoch)).all()
+    )
+    attempts = await sqlite_store.read(
+        lambda conn: conn.execute(select(AttemptRow.outcome)).scalars().all()
+    )
     assert sorted(got) == [(ids[0], f"w{ids[0]}", 0), (ids[1], f"w{ids[1]}", 0),
                            (ids[2], f"w{ids[2]}", 0), (ids[3], "", 9)]  # fmt: skip
     assert attempts == ["x"]

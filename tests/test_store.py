@@ -18,13 +18,13 @@ from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.counters import Counters, live_counts
 from services.scheduler.db import Database
+from services.scheduler.db.sqlite import Checkpointer
 from services.scheduler.events import EventBus
 from services.scheduler.models import EventRow, JobRow, TaskRow
 from services.scheduler.outbox import Outbox
 from services.scheduler.reports import Refusal, Reports
 from services.scheduler.spec import parse_job_spec
-from services.scheduler.sqlite_checkpoint import Checkpointer
-from services.scheduler.store import ANALYZE_FIRST, Move, NewJob, Store
+from services.scheduler.store import ANALYZE_FIRST, Move, NewJob, Store, move_many
 
 S = JobStatus
 St = ScheduleState
@@ -42,12 +42,12 @@ def chain(length: int) -> str:
 
 
 async def count(store: Store, model: type) -> int:
-    async with store.db.read() as session:
-        return int(await session.scalar(select(func.count()).select_from(model)) or 0)
+    query = select(func.count()).select_from(model)
+    return int(await store.read(lambda conn: conn.scalar(query)) or 0)
 
 
 async def assign(store: Store, job_id: int, controller: str = "c1") -> int:
-    moves, _ = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to=controller)
+    moves = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to=controller)
     assert len(moves) == 1
     return moves[0].epoch
 
@@ -148,8 +148,7 @@ async def test_a_batch_sees_its_own_earlier_reports(store: Store) -> None:
     assert followed.counters.slots("c1").launching == 0
     assert followed.counters.slots("c1").alive == 1
     assert await followed.matches_a_recount(store)
-    async with store.db.read() as session:
-        rows = (await session.execute(select(EventRow.schedule_state))).all()
+    rows = await store.read(lambda conn: conn.execute(select(EventRow.schedule_state)).all())
     # submitted, admitted, STARTING, RUNNING (which released the slot): no second release.
     assert [St(s) for (s,) in rows].count(St.ALIVE) == 1
 
@@ -158,7 +157,7 @@ async def test_move_is_conditional_on_state_epoch_and_holder(store: Store) -> No
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
     # Already assigned: a second assignment does not happen.
-    moves, _ = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to="c2")
+    moves = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to="c2")
     assert moves == []
     assert await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=0, controller_id="c1") is None
     assert await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, controller_id="c2") is None
@@ -169,8 +168,8 @@ async def test_move_is_conditional_on_state_epoch_and_holder(store: Store) -> No
 async def test_an_assignment_event_carries_the_new_epoch(store: Store) -> None:
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
-    async with store.db.read() as session:
-        rows = (await session.execute(select(EventRow.schedule_state, EventRow.epoch))).all()
+    query = select(EventRow.schedule_state, EventRow.epoch)
+    rows = await store.read(lambda conn: conn.execute(query).all())
     assert (St.LAUNCHING, epoch) in [(St(s), e) for s, e in rows]
 
 
@@ -262,7 +261,7 @@ def statements(store: Store) -> Iterator[list[str]]:
     def record(conn: object, cursor: object, statement: str, *args: object) -> None:
         seen.append(statement)
 
-    engines = [engine.sync_engine for engine in store.db.write_engines]
+    engines = [store.db.write_engine]
     for engine in engines:
         event.listen(engine, "before_cursor_execute", record)
     try:
@@ -290,7 +289,7 @@ async def test_hot_statements_use_indexes_on_sqlite(tmp_path: Path) -> None:
     ) -> None:
         seen.append((statement, parameters[0] if many else parameters))
 
-    engines = [e.sync_engine for e in (*db.write_engines, db.read_engine)]
+    engines = [db.write_engine, db.read_engine]
     for engine in engines:
         event.listen(engine, "before_cursor_execute", record)
     try:
@@ -336,11 +335,14 @@ async def test_postgres_statistics_are_gathered_as_the_jobs_grow(store: Store) -
         return
     assert store.analyzing is not None
     await store.analyzing
-    async with store.db.read() as session:
-        analyzed = await session.scalar(
+    analyzed = await store.read(
+        lambda conn: conn.scalar(
             text("SELECT analyze_count FROM pg_stat_user_tables WHERE relname = 'jobs'")
         )
-        rows = await session.scalar(text("SELECT reltuples FROM pg_class WHERE relname = 'jobs'"))
+    )
+    rows = await store.read(
+        lambda conn: conn.scalar(text("SELECT reltuples FROM pg_class WHERE relname = 'jobs'"))
+    )
     assert analyzed == 1
     # The statistics know how many jobs there are (repeated keys were not stored again).
     assert rows == ANALYZE_FIRST + 1
@@ -452,12 +454,13 @@ async def test_reconcile_finds_and_fixes_a_move_nobody_saw(store: Store) -> None
     followed = Followed(store)
     job_id, _ = await store.submit(new_job())
     # A commit whose outcome was in doubt: the row moved, the counters never heard.
-    async with store.db.write() as session:
-        await session.execute(
+    await store.db.write(
+        lambda conn: conn.execute(
             update(JobRow)
             .where(JobRow.id == job_id)
             .values(schedule_state=St.LAUNCHING, controller_id="c1", epoch=1)
         )
+    )
     assert not await followed.matches_a_recount(store)
     diff = await followed.counters.reconcile()
     assert diff == {(None, St.WAITING): -1, ("c1", St.LAUNCHING): 1}
@@ -485,9 +488,9 @@ async def test_cancel_of_many_jobs_is_one_transaction(store: Store) -> None:
         await assign(store, job_id, "c1")
     outbox = Outbox()
     stream = outbox.attach("c1")
-    started = store.writes_started
+    started = store.db.commits
     cancelled = await Cancels(store, outbox).cancel(Targets(user="alice"))
-    assert cancelled == sorted(ids) and store.writes_started == started + 1
+    assert cancelled == sorted(ids) and store.db.commits == started + 1
     told = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
     assert sorted(m.cancel.job_id for m in told if m) == sorted(ids[:10])
 
@@ -495,11 +498,14 @@ async def test_cancel_of_many_jobs_is_one_transaction(store: Store) -> None:
 async def test_a_cancel_is_durable_for_the_assignment_that_follows(store: Store) -> None:
     """Cancel committed first: the assignment read with the move carries it."""
     job_id, _ = await store.submit(new_job())
-    async with store.db.write() as session:
-        await session.execute(
+    await store.db.write(
+        lambda conn: conn.execute(
             update(JobRow).where(JobRow.id == job_id).values(cancel_requested=True)
         )
-    _, jobs = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to="c1", fetch=True)
+    )
+    _, jobs = await store.transaction(
+        lambda txn: move_many(txn, [job_id], St.WAITING, St.LAUNCHING, assign_to="c1", fetch=True)
+    )
     assert jobs[0].cancel_requested
 
 
@@ -587,8 +593,8 @@ async def test_each_attempt_keeps_its_cluster_end_and_exit_code(store: Store) ->
 
 
 async def test_sqlite_reads_run_on_the_event_loop_thread(tmp_path: Path) -> None:
-    """The read engine runs SQLite inline (no worker thread per connection, no hop per
-    statement); writes keep their thread, and reads see what they committed."""
+    """Reads run on the event loop's own thread (no hop per read); writes run on the one
+    writer thread, and reads see what they committed."""
     db = Database.open(f"sqlite:///{tmp_path / 'inline.db'}")
     await db.migrate()
     store = Store(db, EventBus())
@@ -600,11 +606,11 @@ async def test_sqlite_reads_run_on_the_event_loop_thread(tmp_path: Path) -> None
         def record(*args: object) -> None:
             executed_on.append(threading.get_ident())
 
-        event.listen(db.read_engine.sync_engine, "before_cursor_execute", record)
+        event.listen(db.read_engine, "before_cursor_execute", record)
         try:
             reads = await asyncio.gather(*(store.get_job(job_id) for _ in range(5)))
         finally:
-            event.remove(db.read_engine.sync_engine, "before_cursor_execute", record)
+            event.remove(db.read_engine, "before_cursor_execute", record)
         assert all(job is not None and job.job_id == job_id for job in reads)
         assert set(executed_on) == {threading.get_ident()}
         assert {t.ident for t in threading.enumerate()} == threads  # no thread started
@@ -632,7 +638,7 @@ def test_checkpoints_copy_the_log_into_the_database_every_so_many_commits(
                 return -1
             return int(conn.execute("SELECT count(*) FROM t").fetchone()[0])
 
-    checkpointer = Checkpointer(str(path), every=3)
+    checkpointer = Checkpointer(str(path), "full", every=3)
     try:
         for n in range(3):
             writer.execute("INSERT INTO t VALUES (?)", (n,))
@@ -658,17 +664,13 @@ async def test_the_schedulers_commits_never_checkpoint_and_wake_the_checkpointer
     await db.migrate()
     store = Store(db, EventBus())
     checkpointer = db.checkpointer
-    assert checkpointer is not None
     try:
-        for urgent in (True, False):
-            async with db.write(urgent) as session:
-                pragma = await session.execute(text("PRAGMA wal_autocheckpoint"))
-                assert pragma.scalar_one() == 0
+        pragma = await db.write(lambda conn: conn.execute(text("PRAGMA wal_autocheckpoint")))
+        assert pragma.scalar_one() == 0
         before = checkpointer.taken
         checkpointer.every = 2
-        await store.submit(new_job())  # a client's write, on the event loop's thread
-        async with store.transaction() as txn:  # background work, on the worker thread
-            await txn.session.execute(text("SELECT 1"))
+        await store.submit(new_job())  # a client's write
+        await store.transaction(lambda txn: txn.conn.execute(text("SELECT 1")))  # background
         assert await asyncio.to_thread(checkpointer.wait, before + 1, 10)
     finally:
         await db.close()

@@ -56,7 +56,7 @@ def setup(service: str, level: str = "INFO") -> None:
     root.setLevel(level.upper())
     # Audit lines (services/common/edge.py) are written whatever the level.
     logging.getLogger("audit").setLevel(logging.INFO)
-    # SQLAlchemy and aiosqlite are loud at INFO; asyncssh logs every SSH command the ssh
+    # SQLAlchemy is loud at INFO; asyncssh logs every SSH command the ssh
     # backend runs, with its whole node script.
-    for name in ("sqlalchemy", "aiosqlite", "alembic", "asyncio", "asyncssh"):
+    for name in ("sqlalchemy", "alembic", "asyncio", "asyncssh"):
         logging.getLogger(name).setLevel(logging.WARNING)

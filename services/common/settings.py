@@ -55,6 +55,19 @@ def count(text: str) -> int:
     return int(text)
 
 
+def one_of(*values: str) -> Callable[[str], str]:
+    """A parser of one of `values` (any case), lower-cased."""
+
+    def parse(text: str) -> str:
+        lowered = text.strip().lower()
+        if lowered not in values:
+            raise argparse.ArgumentTypeError(f"must be one of {', '.join(values)}, got {text!r}")
+        return lowered
+
+    parse.__name__ = "one_of"
+    return parse
+
+
 # The service whose settings were parsed last (`parse`): its error lines name it.
 _program = ""
 

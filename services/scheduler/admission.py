@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
@@ -31,12 +31,24 @@ from services.scheduler import metrics
 from services.scheduler.counters import Counters
 from services.scheduler.outbox import Outbox, TooLarge
 from services.scheduler.reports import finish
-from services.scheduler.store import ADMITTED_ON, RESUMED_ON, Move, Queued, Store
+from services.scheduler.store import (
+    ADMITTED_ON,
+    ALIVE_WAITING_ON,
+    ORPHANS,
+    RESUMED_ON,
+    Move,
+    Store,
+    Txn,
+    move_many,
+    queued_jobs,
+    secrets_of,
+)
 
 log = logging.getLogger(__name__)
 
 St = ScheduleState
 BATCH = 512
+UNLIMITED = 1 << 30
 
 
 @dataclasses.dataclass
@@ -47,6 +59,61 @@ class Limits:
     global_jobs: int = 0
     replica_launches: int = 0
     replica_jobs: int = 0
+
+
+@dataclasses.dataclass
+class ReplicaRoom:
+    """What one replica may still take in a pass."""
+
+    jobs: int
+    launches: int
+    # Alive jobs it holds, planned ones included: jobs go to the replica holding fewest.
+    held: int
+    # Takes no new jobs, but still launches the next tasks of those it holds.
+    draining: bool = False
+
+
+@dataclasses.dataclass
+class Room:
+    """Where a pass may place jobs: per replica that takes work, and globally."""
+
+    replicas: dict[str, ReplicaRoom]
+    launches: int
+    jobs: int
+
+    def best(self, need_launch: bool) -> str | None:
+        """The replica holding the fewest jobs among those with room for one more (and a
+        free launch slot, with `need_launch`), if any.
+
+        Jobs spread by how many each replica holds, not by which replica frees its
+        launch slots first: a faster replica would otherwise take ever more of them.
+        """
+        if need_launch and (self.launches <= 0 or self.jobs <= 0):
+            return None
+        best: str | None = None
+        fewest = 0
+        for cid, replica in self.replicas.items():
+            if replica.draining or replica.jobs <= 0 or (need_launch and replica.launches <= 0):
+                continue
+            if best is None or replica.held < fewest:
+                best, fewest = cid, replica.held
+        return best
+
+    def with_launch_room(self) -> list[str]:
+        return sorted(cid for cid, replica in self.replicas.items() if replica.launches > 0)
+
+    def take(self, cid: str, *, launch: bool, job: bool = True, new: bool = True) -> None:
+        """Counts one job planned for `cid`: a launch slot and/or a place (`new`: one more
+        alive job in all; an orphan was counted already)."""
+        replica = self.replicas[cid]
+        if launch:
+            replica.launches -= 1
+            self.launches -= 1
+        if job:
+            replica.jobs -= 1
+            replica.held += 1
+            if new:
+                self.jobs -= 1
 
 
 @dataclasses.dataclass
@@ -67,6 +134,8 @@ class Admission:
         self._kick = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.passes = 0
+        # Assignments of the last step that could not go on a stream: (cid, job, epoch, why).
+        self._too_large: list[tuple[str, int, int, str]] = []
 
     # --- the registry ------------------------------------------------------------------------
 
@@ -144,129 +213,161 @@ class Admission:
         await self._grant_alive_waiting()
         await self._admit_waiting()
 
+    def _orphans(self) -> int:
+        return sum(self.counters.counts[(None, s)] for s in ALIVE_STATES)
+
     def _global_launch_room(self) -> int:
         if not self.limits.global_launches:
-            return 1 << 30
+            return UNLIMITED
         return self.limits.global_launches - self.counters.totals().launching
 
     def _global_job_room(self) -> int:
         if not self.limits.global_jobs:
-            return 1 << 30
+            return UNLIMITED
         return self.limits.global_jobs - self.counters.totals().alive
 
-    async def _grant_alive_waiting(self) -> None:
-        for replica in list(self.replicas.values()):
-            cid = replica.controller_id
-            if not self.counters.counts[(cid, St.ALIVE_WAITING)]:
-                continue
-            room = min(
-                self.limit_launches(replica) - self.counters.slots(cid).launching,
-                self._global_launch_room(),
-            )
-            if room <= 0:
-                continue
-            rows = await self.store.queued(St.ALIVE_WAITING, cid, min(room, BATCH))
-            moves, _ = await self.store.move_many(
-                [row.id for row in rows],
-                St.ALIVE_WAITING,
-                St.LAUNCHING,
-                controller_id=cid,
-                message="launch slot granted",
-            )
-            for move in moves:
-                self.outbox.grant(cid, move.job_id, move.epoch)
+    def room(self) -> Room:
+        """Where there is room now, as the counters say.
 
-    def _best_replica(
-        self, need_launch_room: bool, pending: Counter[str] | None = None
-    ) -> ReplicaInfo | None:
-        """The non-draining replica holding the fewest jobs among those with room for one
-        more (and a free launch slot, with `need_launch_room`), if any.
-
-        Jobs spread by how many each replica holds, not by which replica frees its
-        launch slots first: a faster replica would otherwise take ever more of them.
-        `pending` counts jobs already planned for each replica in this pass.
+        Taken on the event loop before a pass's transaction and used inside it: between
+        the two only the pass itself adds jobs to a replica (every other move frees
+        room), so the plan can only be short of room, never over it, and the moves
+        that freed room kick another pass.
         """
-        best: ReplicaInfo | None = None
-        best_held = 0
+        replicas = {}
         for replica in self.replicas.values():
-            if replica.draining:
-                continue
             slots = self.counters.slots(replica.controller_id)
-            planned = pending[replica.controller_id] if pending else 0
-            held = slots.alive + planned
-            if held >= self.limit_jobs(replica):
-                continue
-            if need_launch_room and slots.launching + planned >= self.limit_launches(replica):
-                continue
-            if best is None or held < best_held:
-                best, best_held = replica, held
-        return best
-
-    def _orphans(self) -> int:
-        return sum(self.counters.counts[(None, s)] for s in ALIVE_STATES)
+            replicas[replica.controller_id] = ReplicaRoom(
+                jobs=self.limit_jobs(replica) - slots.alive,
+                launches=self.limit_launches(replica) - slots.launching,
+                held=slots.alive,
+                draining=replica.draining,
+            )
+        return Room(replicas, self._global_launch_room(), self._global_job_room())
 
     async def _place_orphans(self) -> None:
         """Jobs whose replica died go to the replica with the most job room, before any
         new job: they were admitted already. They hold no launch slot (the store freed
         it), so only the job limit applies."""
-        while self._orphans() and self._best_replica(need_launch_room=False) is not None:
-            rows = await self.store.orphans(BATCH)
-            plan, placed = self._plan(rows, need_launch_room=False)
-            for (cid, state), ids in plan.items():
-                moves, jobs = await self.store.move_many(
-                    ids, state, state, assign_to=cid, message=f"{RESUMED_ON}{cid}", fetch=True
-                )
-                secrets = await self.store.secrets([job.job_id for job in jobs])
-                await self._assign(cid, moves, jobs, secrets, granted=False)
-            if not rows or placed < len(rows):
+        while self._orphans():
+            room = self.room()
+            if room.best(need_launch=False) is None:
                 return
+            planned = await self._pass(functools.partial(self._place, room=room))
+            if not planned:
+                return
+
+    def _place(self, txn: Txn, room: Room) -> bool:
+        rows = txn.conn.execute(ORPHANS, {"limit": BATCH}).all()
+        plan: dict[tuple[str, ScheduleState], list[int]] = {}
+        for row in rows:
+            cid = room.best(need_launch=False)
+            if cid is None:
+                break
+            room.take(cid, launch=False, new=False)
+            plan.setdefault((cid, St(row.schedule_state)), []).append(int(row.id))
+        for (cid, state), ids in plan.items():
+            moves, jobs = move_many(
+                txn, ids, state, state, assign_to=cid, message=f"{RESUMED_ON}{cid}", fetch=True
+            )
+            self._send(txn, cid, moves, jobs, granted=False)
+        placed = sum(len(ids) for ids in plan.values())
+        return bool(rows) and placed == len(rows)
+
+    async def _grant_alive_waiting(self) -> None:
+        """Launch slots for jobs their replicas asked one for, in admission order across
+        replicas (priority, then submission), each within its replica's launch room and
+        all within the global one."""
+        while self.counters.total(St.ALIVE_WAITING):
+            room = self.room()
+            if room.launches <= 0 or not room.with_launch_room():
+                return
+            more = await self._pass(functools.partial(self._grant, room=room))
+            if not more:
+                return
+
+    def _grant(self, txn: Txn, room: Room) -> bool:
+        cids = room.with_launch_room()
+        limit = min(BATCH, room.launches, sum(room.replicas[c].launches for c in cids))
+        rows = txn.conn.execute(ALIVE_WAITING_ON, {"cids": cids, "limit": limit}).all()
+        granted: dict[str, list[int]] = {}
+        for row in rows:
+            cid = row.controller_id
+            if room.launches <= 0:
+                break
+            if room.replicas[cid].launches <= 0:
+                continue
+            room.take(cid, launch=True, job=False)
+            granted.setdefault(cid, []).append(int(row.id))
+        for cid, ids in granted.items():
+            moves, _ = move_many(
+                txn, ids, St.ALIVE_WAITING, St.LAUNCHING, controller_id=cid,
+                message="launch slot granted",
+            )  # fmt: skip
+            txn.after.append(functools.partial(self._grants, cid, moves))
+        # Another page only if this one was full and room is left for its skipped rows.
+        return len(rows) == limit and room.launches > 0 and bool(room.with_launch_room())
+
+    def _grants(self, cid: str, moves: Sequence[Move]) -> None:
+        for move in moves:
+            self.outbox.grant(cid, move.job_id, move.epoch)
 
     async def _admit_waiting(self) -> None:
         while self.counters.counts[(None, St.WAITING)]:
-            room = min(self._global_launch_room(), self._global_job_room())
-            if room <= 0 or self._best_replica(need_launch_room=True) is None:
+            room = self.room()
+            if min(room.launches, room.jobs) <= 0 or room.best(need_launch=True) is None:
                 return
-            # The queue is read in the transaction that moves its jobs: on SQLite no other
-            # write commits in between, so a pass never admits past a job that was queued
-            # (and ranked ahead) by the time its admissions commit.
-            moved: list[tuple[str, list[Move], list[job_pb2.Job]]] = []
-            secrets: dict[int, list[pb.TaskSecrets]] = {}
-            async with self.store.transaction() as txn:
-                rows = await self.store.queued(St.WAITING, None, min(room, BATCH), txn)
-                plan, placed = self._plan(rows, need_launch_room=True)
-                first_event = len(txn.events)
-                for (cid, _), ids in plan.items():
-                    moves, jobs = await self.store.move_many(
-                        ids, St.WAITING, St.LAUNCHING, assign_to=cid,
-                        message=f"{ADMITTED_ON}{cid}", fetch=True, txn=txn,
-                    )  # fmt: skip
-                    moved.append((cid, moves, jobs))
-                # One statement per replica; the event log lists admissions in queue order.
-                txn.order_events(first_event, [row.id for row in rows])
-                ids = [job.job_id for _, _, jobs in moved for job in jobs]
-                secrets = await self.store.secrets(ids, txn)
-            # Sent once committed.
-            for cid, moves, jobs in moved:
-                await self._assign(cid, moves, jobs, secrets, granted=True)
-            if not rows or placed < len(rows):
+            if not await self._pass(functools.partial(self._admit, room=room)):
                 return
 
-    def _plan(
-        self, rows: Sequence[Queued], need_launch_room: bool
-    ) -> tuple[dict[tuple[str, ScheduleState], list[int]], int]:
-        """Which replica takes each job, in order, while one has room: job ids by
-        (replica, schedule state), and how many jobs were placed."""
-        plan: dict[tuple[str, ScheduleState], list[int]] = {}
-        pending: Counter[str] = Counter()
+    def _admit(self, txn: Txn, room: Room) -> bool:
+        # The queue is read in the transaction that moves its jobs: no other write
+        # commits in between, so a pass never admits past a job that was queued (and
+        # ranked ahead) by the time its admissions commit.
+        rows = queued_jobs(txn.conn, St.WAITING, None, min(room.launches, room.jobs, BATCH))
+        plan: dict[str, list[int]] = {}
         for row in rows:
-            replica = self._best_replica(need_launch_room=need_launch_room, pending=pending)
-            if replica is None:
+            cid = room.best(need_launch=True)
+            if cid is None:
                 break
-            pending[replica.controller_id] += 1
-            plan.setdefault((replica.controller_id, row.schedule_state), []).append(row.id)
-        return plan, sum(pending.values())
+            room.take(cid, launch=True)
+            plan.setdefault(cid, []).append(row.id)
+        first_event = len(txn.events)
+        for cid, ids in plan.items():
+            moves, jobs = move_many(
+                txn, ids, St.WAITING, St.LAUNCHING, assign_to=cid,
+                message=f"{ADMITTED_ON}{cid}", fetch=True,
+            )  # fmt: skip
+            self._send(txn, cid, moves, jobs, granted=True)
+        # One statement per replica; the event log lists admissions in queue order.
+        txn.order_events(first_event, [row.id for row in rows])
+        placed = sum(len(ids) for ids in plan.values())
+        return bool(rows) and placed == len(rows)
 
-    async def _assign(
+    async def _pass(self, body: Callable[[Txn], bool]) -> bool:
+        """Runs one step of a pass in a transaction; then fails what could not be sent."""
+        self._too_large.clear()
+        more = await self.store.transaction(body)
+        while self._too_large:
+            cid, job_id, epoch, error = self._too_large.pop()
+            log.error("assignment too large", extra={"job_id": job_id, "error": error})
+            reason = f"cannot be assigned: {error}"
+            await self.store.transaction(
+                functools.partial(finish, cid=cid, job_id=job_id, epoch=epoch, reason=reason)
+            )
+        return more
+
+    def _send(
+        self, txn: Txn, cid: str, moves: list[Move], jobs: list[job_pb2.Job], granted: bool
+    ) -> None:
+        """Has the moved jobs' assignments sent once the transaction committed, with their
+        secrets (read in it)."""
+        if not jobs:
+            return
+        secrets = secrets_of(txn.conn, [job.job_id for job in jobs])
+        txn.after.append(functools.partial(self._assign, cid, moves, jobs, secrets, granted))
+
+    def _assign(
         self,
         cid: str,
         moves: list[Move],
@@ -283,9 +384,7 @@ class Admission:
                 self.outbox.assign(cid, job, epoch, granted, secrets.get(job.job_id))
             except TooLarge as error:
                 # Never on the stream (it would break it for every job): this job fails.
-                log.error("assignment too large", extra={"job_id": job.job_id, "error": str(error)})
-                async with self.store.transaction() as txn:
-                    await finish(txn, cid, job.job_id, epoch, f"cannot be assigned: {error}")
+                self._too_large.append((cid, job.job_id, epoch, str(error)))
 
     def state(self) -> pb.GetSchedulerStateResponse:
         totals = self.counters.totals()

@@ -16,6 +16,7 @@ a cancel re-sends it: idempotent.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 from sqlalchemy import ColumnElement, and_, select, true, update
@@ -25,7 +26,7 @@ from services.scheduler import metrics
 from services.scheduler.id_lists import in_ids
 from services.scheduler.models import JOBS, JobRow
 from services.scheduler.outbox import Outbox
-from services.scheduler.store import Move, Store, set_task_statuses
+from services.scheduler.store import Move, Store, Txn, set_task_statuses
 
 S = JobStatus
 St = ScheduleState
@@ -59,57 +60,55 @@ class Cancels:
 
     async def cancel(self, targets: Targets) -> list[int]:
         """Cancels the unfinished jobs matching `targets`; returns their ids, ascending."""
+        return await self.store.transaction(
+            functools.partial(self._cancel, targets=targets), client=True
+        )
+
+    def _cancel(self, txn: Txn, targets: Targets) -> list[int]:
         unstarted = [St.INACTIVE, St.WAITING]
+        conn = txn.conn
+        rows = conn.execute(
+            update(JobRow)
+            .where(targets.where(), JobRow.schedule_state.in_(unstarted))
+            .values(
+                schedule_state=St.DONE,
+                status=S.CANCELLED,
+                end_time=txn.now,
+                wait_reason="",
+                cancel_requested=True,
+            )
+            .returning(JobRow.id, JobRow.schedule_state, JobRow.current_task),
+        ).all()
+        # The schedule state returned is the new one (DONE); every row came from
+        # INACTIVE or WAITING, and only WAITING is counted.
+        ids = [int(r[0]) for r in rows]
+        set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
+        for job_id, _, task in rows:
+            txn.event(job_id, task, S.CANCELLED, St.DONE, CANCELLED_BEFORE_START)
+            txn.moves.append(Move(int(job_id), None, None, 0, St.WAITING, St.DONE))
+        cancelled = list(ids)
+        newly = conn.execute(
+            update(JobRow)
+            .where(targets.where(), JobRow.cancel_requested.is_(False))
+            .values(cancel_requested=True)
+            .returning(JobRow.id, JobRow.status, JobRow.schedule_state, JobRow.current_task),
+        ).all()
+        for job_id, status, state, task in newly:
+            txn.event(job_id, task, status, state, CANCEL_REQUESTED)
+        # Every live target (new or repeated) is told again: a lost message is harmless.
+        live = conn.execute(
+            select(JobRow.id, JobRow.controller_id, JobRow.epoch).where(targets.where())
+        ).all()
         notices: list[tuple[str, int, int]] = []
-        cancelled: list[int] = []
-        async with self.store.transaction(urgent=True) as txn:
-            session = txn.session
-            rows = (
-                await session.execute(
-                    update(JobRow)
-                    .where(targets.where(), JobRow.schedule_state.in_(unstarted))
-                    .values(
-                        schedule_state=St.DONE,
-                        status=S.CANCELLED,
-                        end_time=txn.now,
-                        wait_reason="",
-                        cancel_requested=True,
-                    )
-                    .returning(JobRow.id, JobRow.schedule_state, JobRow.current_task),
-                )
-            ).all()
-            # The schedule state returned is the new one (DONE); every row came from
-            # INACTIVE or WAITING, and only WAITING is counted.
-            ids = [int(r[0]) for r in rows]
-            await set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
-            for job_id, _, task in rows:
-                txn.event(job_id, task, S.CANCELLED, St.DONE, CANCELLED_BEFORE_START)
-                txn.moves.append(Move(int(job_id), None, None, 0, St.WAITING, St.DONE))
-            cancelled += ids
-            newly = (
-                await session.execute(
-                    update(JobRow)
-                    .where(targets.where(), JobRow.cancel_requested.is_(False))
-                    .values(cancel_requested=True)
-                    .returning(
-                        JobRow.id, JobRow.status, JobRow.schedule_state, JobRow.current_task
-                    ),
-                )
-            ).all()
-            for job_id, status, state, task in newly:
-                txn.event(job_id, task, status, state, CANCEL_REQUESTED)
-            # Every live target (new or repeated) is told again: a lost message is harmless.
-            live = (
-                await session.execute(
-                    select(JobRow.id, JobRow.controller_id, JobRow.epoch).where(targets.where())
-                )
-            ).all()
-            for job_id, controller_id, epoch in live:
-                cancelled.append(int(job_id))
-                if controller_id is not None:
-                    notices.append((controller_id, int(job_id), int(epoch)))
-            newly_ids = [int(r[0]) for r in newly]
-            txn.after.append(lambda: metrics.cancel_requested(ids + newly_ids, ids))
+        for job_id, controller_id, epoch in live:
+            cancelled.append(int(job_id))
+            if controller_id is not None:
+                notices.append((controller_id, int(job_id), int(epoch)))
+        newly_ids = [int(r[0]) for r in newly]
+        txn.after.append(lambda: metrics.cancel_requested(ids + newly_ids, ids))
+        txn.after.append(lambda: self._tell(notices))
+        return sorted(set(cancelled))
+
+    def _tell(self, notices: Sequence[tuple[str, int, int]]) -> None:
         for controller_id, job_id, epoch in notices:
             self.outbox.cancel(controller_id, job_id, epoch)
-        return sorted(set(cancelled))

@@ -6,15 +6,16 @@ are counted under `None`. The counts change in exactly one place, `apply`, fed
 by the store's committed moves (`Store.on_moves`), and are rebuilt from a recount
 of the database at start.
 
-`reconcile` compares them with a recount at a quiet moment (no write under way
-or started while the recount ran, so both views are of the same instant), fixes
-any difference and reports it: a difference means a move was committed without
-being seen (a commit whose outcome was in doubt) and is logged and counted.
+`reconcile` compares them with a recount made in a quiet turn of the database's
+writers (no write under way, none starting until it ends, and every committed
+move applied: both views are of the same instant), fixes any difference and
+reports it: a difference means a move was committed without being seen (a
+commit whose outcome was unknown) and is logged and counted. The quiet turn goes
+before every write that asks after it, so steady load cannot put it off.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections import Counter
@@ -74,22 +75,11 @@ class Counters:
         """Jobs in `state`, whoever holds them."""
         return sum(n for (_, s), n in self.counts.items() if s == state)
 
-    async def reconcile(self, attempts: int = 5, pause: float = 0.05) -> dict[Key, int] | None:
-        """Compares with a recount at a quiet moment; fixes and returns any difference.
-
-        Returns None when no quiet moment came in `attempts` tries (the system is
-        busy; the next reconcile tries again).
-        """
-        store = self.store
-        for _ in range(attempts):
-            started = store.writes_started
-            if store.writes_in_flight:
-                await asyncio.sleep(pause)
-                continue
-            recount = live_counts(await store.recount())
-            if store.writes_in_flight or store.writes_started != started:
-                await asyncio.sleep(pause)
-                continue
+    async def reconcile(self) -> dict[Key, int]:
+        """Compares with a recount while no write is under way; fixes and returns any
+        difference."""
+        async with self.store.db.quiet():
+            recount = live_counts(await self.store.recount())
             ours = live_counts(self.counts)
             diff = {
                 k: recount[k] - ours[k] for k in set(recount) | set(ours) if recount[k] != ours[k]
@@ -101,5 +91,4 @@ class Counters:
                     extra={"differences": {f"{c}/{s.name}": n for (c, s), n in diff.items()}},
                 )
                 self.counts = recount
-            return diff
-        return None
+        return diff

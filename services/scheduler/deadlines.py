@@ -22,7 +22,7 @@ from sqlalchemy import func, select, update
 
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.models import JobRow
-from services.scheduler.store import Move, Store, set_task_statuses
+from services.scheduler.store import Move, Store, Txn, set_task_statuses
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -71,8 +71,7 @@ class PendingDeadlines:
 
     async def _nearest(self) -> dt.datetime | None:
         query = select(func.min(JobRow.pending_deadline)).where(JobRow.schedule_state == St.WAITING)
-        async with self.store.db.read() as session:
-            nearest = await session.scalar(query)
+        nearest = await self.store.read(lambda conn: conn.scalar(query))
         if nearest is not None and nearest.tzinfo is None:
             nearest = nearest.replace(tzinfo=dt.UTC)
         return nearest
@@ -80,37 +79,37 @@ class PendingDeadlines:
     async def expire(self) -> list[int]:
         """Ends every WAITING job past its max_pending; returns their ids."""
         why = self._waiting_reason()
-        async with self.store.transaction() as txn:
-            rows = (
-                await txn.session.execute(
-                    update(JobRow)
-                    .where(
-                        JobRow.schedule_state == St.WAITING,
-                        JobRow.pending_deadline <= txn.now,
-                    )
-                    .values(
-                        schedule_state=St.DONE,
-                        status=S.FAILED_NO_RESOURCE,
-                        end_time=txn.now,
-                        wait_reason="",
-                        failure_reason=f"max_pending exceeded while {why}",
-                    )
-                    .returning(JobRow.id),
-                )
-            ).all()
-            ids = [int(r[0]) for r in rows]
-            if not ids:
-                return []
-            reason = f"max_pending exceeded while {why}"
-            # The first task could not start; later tasks never will.
-            await set_task_statuses(
-                txn, ids, [S.PENDING], S.FAILED_NO_RESOURCE, task_id=0, end_time=txn.now,
-                failure_reason=reason,
-            )  # fmt: skip
-            await set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
-            for job_id in ids:
-                txn.event(job_id, 0, S.FAILED_NO_RESOURCE, St.DONE, reason)
-                txn.moves.append(Move(job_id, None, None, 0, St.WAITING, St.DONE))
-        self.expired += len(ids)
-        log.info("jobs past max_pending", extra={"jobs": ids[:20], "count": len(ids)})
+        ids = await self.store.transaction(lambda txn: _expire(txn, why))
+        if ids:
+            self.expired += len(ids)
+            log.info("jobs past max_pending", extra={"jobs": ids[:20], "count": len(ids)})
         return ids
+
+
+def _expire(txn: Txn, why: str) -> list[int]:
+    reason = f"max_pending exceeded while {why}"
+    rows = txn.conn.execute(
+        update(JobRow)
+        .where(JobRow.schedule_state == St.WAITING, JobRow.pending_deadline <= txn.now)
+        .values(
+            schedule_state=St.DONE,
+            status=S.FAILED_NO_RESOURCE,
+            end_time=txn.now,
+            wait_reason="",
+            failure_reason=reason,
+        )
+        .returning(JobRow.id),
+    ).all()
+    ids = [int(r[0]) for r in rows]
+    if not ids:
+        return []
+    # The first task could not start; later tasks never will.
+    set_task_statuses(
+        txn, ids, [S.PENDING], S.FAILED_NO_RESOURCE, task_id=0, end_time=txn.now,
+        failure_reason=reason,
+    )  # fmt: skip
+    set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
+    for job_id in ids:
+        txn.event(job_id, 0, S.FAILED_NO_RESOURCE, St.DONE, reason)
+        txn.moves.append(Move(job_id, None, None, 0, St.WAITING, St.DONE))
+    return ids

@@ -21,7 +21,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from services.common.errors import ApiError, Unavailable
-from services.scheduler.db import Database
+from services.scheduler.db import Database, OutcomeUnknown
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -42,6 +42,8 @@ def _sqlstate(exc: BaseException) -> str:
 
 def is_unreachable(exc: BaseException) -> bool:
     """Whether an error means "the database cannot be reached", not "the request is bad"."""
+    if isinstance(exc, OutcomeUnknown):
+        return True
     if isinstance(exc, OperationalError | InterfaceError):
         return True
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
@@ -52,9 +54,25 @@ def is_unreachable(exc: BaseException) -> bool:
 
 
 def unavailable(exc: Exception) -> ApiError | None:
+    """UNAVAILABLE for a database that failed, naming the failure and what became of the
+    call."""
+    if isinstance(exc, OutcomeUnknown):
+        return Unavailable(
+            f"the scheduler's database failed while committing this call ({_brief(exc)}): it "
+            "may or may not have taken effect; retry it with the same idempotency_key"
+        )
     if is_unreachable(exc):
-        return Unavailable("the scheduler's database is unreachable; retry shortly")
+        return Unavailable(
+            f"the scheduler's database failed ({_brief(exc)}); nothing was changed, retry shortly"
+        )
     return None
+
+
+def _brief(exc: BaseException) -> str:
+    """The database's own words for a failure: its first line, at most 200 characters."""
+    cause = getattr(exc, "orig", None) or exc.__cause__ or exc
+    text = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+    return text[:200]
 
 
 class DbHealth:
@@ -86,8 +104,8 @@ class DbHealth:
     async def _probe(self) -> None:
         while True:
             try:
-                async with asyncio.timeout(self._interval), self.db.read() as session:
-                    await session.execute(text("SELECT 1"))
+                async with asyncio.timeout(self._interval):
+                    await self.db.read(lambda conn: conn.execute(text("SELECT 1")).all())
                 await self._set(True)
             except asyncio.CancelledError:
                 raise

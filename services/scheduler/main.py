@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
@@ -32,7 +31,7 @@ from services.scheduler.admission import Admission, Limits
 from services.scheduler.api import JobApi
 from services.scheduler.cancels import Cancels
 from services.scheduler.counters import Counters
-from services.scheduler.db import Database, default_url
+from services.scheduler.db import SYNCHRONOUS, Database, default_url
 from services.scheduler.deadlines import PendingDeadlines
 from services.scheduler.events import QUEUE_LIMIT, EventBus
 from services.scheduler.health import DbHealth, is_unreachable, unavailable
@@ -62,6 +61,15 @@ SETTINGS = (
         "write transactions at once on PostgreSQL (0: no limit); one writer gathers "
         "concurrent work into bigger batches. SQLite always has one",
         settings.count,
+    ),
+    Setting(
+        "sqlite_synchronous",
+        "MJ_SQLITE_SYNCHRONOUS",
+        "full",
+        "SQLite: when a commit reaches the disk. full: before its answer (an OK survives an "
+        "OS crash or power loss); normal: at checkpoints (an OK survives a crash of the "
+        "scheduler, not always an OS crash)",
+        settings.one_of(*SYNCHRONOUS),
     ),
     Setting("lease_ttl", "MJ_LEASE_TTL", 10.0, "seconds a replica's lease lasts", float),
     Setting(
@@ -133,8 +141,13 @@ class SchedulerApp:
         reconcile_interval: float = 30.0,
         watch_queue_limit: int = QUEUE_LIMIT,
         db_writers: int = 1,
+        sqlite_synchronous: str = "full",
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self.db = Database.open(database_url, writers=db_writers)
+        self.db = Database.open(
+            database_url, writers=db_writers, sqlite_synchronous=sqlite_synchronous
+        )
+        self.db.on_doubt = self.reconcile_soon
         self.bus = EventBus(watch_queue_limit)
         self.store = Store(self.db, self.bus)
         self.counters = Counters(self.store)
@@ -142,7 +155,6 @@ class SchedulerApp:
         self.admission = Admission(self.store, self.counters, self.outbox, limits)
         self.store.on_moves = self._moved
         metrics.watch_counters(self.counters)
-        self.store.on_doubt = self.reconcile_soon
         self.reports = Reports(self.store)
         self.deadlines = PendingDeadlines(self.store, self.admission.waiting_reason)
         self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
@@ -156,6 +168,7 @@ class SchedulerApp:
             heartbeat_interval=heartbeat_interval,
         )
         self.reconcile_interval = reconcile_interval
+        self._sleep = sleep
         self._reconcile_now = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
         self.server = Server(host, port, security=security)
@@ -166,9 +179,6 @@ class SchedulerApp:
             Cancels(self.store, self.outbox),
             on_pending_deadline=self.deadlines.soon,
         )
-        if self.db.gate is not None:
-            # A lone client's submission has the writer's holder hurry; a gathering batch not.
-            self.db.gate.gathering = self.job_api.intake.gathering
         self.server.add(
             job_service_pb2_grpc.add_JobServiceServicer_to_server,
             self.job_api,
@@ -198,17 +208,28 @@ class SchedulerApp:
         metrics.statuses(await self.store.status_counts())
 
     async def _reconcile_loop(self) -> None:
+        """Reconciles every `reconcile_interval` seconds, and at once when asked to (a write
+        whose outcome was unknown)."""
+        ticker = asyncio.create_task(self._tick(), name="reconcile-ticker")
+        try:
+            while True:
+                await self._reconcile_now.wait()
+                self._reconcile_now.clear()
+                try:
+                    await self.reconcile()
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    if not is_unreachable(exc):
+                        log.exception("reconcile failed")
+        finally:
+            ticker.cancel()
+            await asyncio.gather(ticker, return_exceptions=True)
+
+    async def _tick(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._reconcile_now.wait(), self.reconcile_interval)
-            self._reconcile_now.clear()
-            try:
-                await self.reconcile()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                if not is_unreachable(exc):
-                    log.exception("reconcile failed")
+            await self._sleep(self.reconcile_interval)
+            self._reconcile_now.set()
 
     async def _database_changed(self, reachable: bool) -> None:
         await self.server.set_serving(reachable)
@@ -241,6 +262,7 @@ class SchedulerApp:
             self.store.analyzing.cancel()
             await asyncio.gather(self.store.analyzing, return_exceptions=True)
         await self.db.close()
+        metrics.unwatch_counters(self.counters)
 
 
 async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
@@ -263,10 +285,11 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
         reconcile_interval=a.reconcile_interval,
         watch_queue_limit=a.watch_queue_limit,
         db_writers=a.db_writers,
+        sqlite_synchronous=a.sqlite_synchronous,
     )
-    port = await app.start()
-    log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
     try:
+        port = await app.start()
+        log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
         await run_until_signal(app.server, a.shutdown_grace)
     finally:
         await app.close()

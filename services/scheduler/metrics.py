@@ -179,3 +179,12 @@ def watch_counters(counters: Counters) -> None:
         REGISTRY.unregister(_collector)
     _collector = CountersCollector(counters)
     REGISTRY.register(_collector)
+
+
+def unwatch_counters(counters: Counters) -> None:
+    """Unregisters the gauges of `counters`, if they are the ones registered (an app that
+    closed leaves nothing of itself reachable from the registry)."""
+    global _collector
+    if _collector is not None and _collector.counters is counters:
+        REGISTRY.unregister(_collector)
+        _collector = None

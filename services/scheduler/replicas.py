@@ -316,35 +316,32 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
 
     async def sync_assignments(self) -> int:
         """Sends every replica the assignments the database gives it but it was never sent
-        on its current stream (an admission commit whose outcome was in doubt).
+        on its current stream (an admission commit whose outcome was unknown).
 
-        Acts only on a view of a quiet moment; returns how many were sent.
+        Compares in a quiet turn of the writers, when every committed assignment has been
+        sent; returns how many were sent.
         """
         sent = 0
-        for cid, lease in list(self.leases.items()):
-            stream = lease.stream
-            if stream is None:
-                continue
-            started = self.store.writes_started
-            if self.store.writes_in_flight:
-                continue
-            truth = await self.store.held_by(cid)
-            if self.store.writes_in_flight or self.store.writes_started != started:
-                continue
-            missing = [j for j, e in truth.items() if stream.sent.get(j) != e]
-            if not missing:
-                continue
-            log.warning(
-                "replica was never sent some assignments; sending them",
-                extra={"controller_id": cid, "jobs": missing[:20], "count": len(missing)},
-            )
-            secrets = await self.store.secrets(missing)
-            for job in await self.store.get_jobs(missing, with_specs=True):
-                if job.schedule_state != St.DONE and job.controller_id == cid:
-                    granted = job.schedule_state == St.LAUNCHING
-                    epoch, kept = truth[job.job_id], secrets.get(job.job_id)
-                    with contextlib.suppress(TooLarge):  # admission failed such a job
-                        sent += self.outbox.assign(cid, job, epoch, granted, kept)
+        async with self.store.db.quiet():
+            for cid, lease in list(self.leases.items()):
+                stream = lease.stream
+                if stream is None:
+                    continue
+                truth = await self.store.held_by(cid)
+                missing = [j for j, e in truth.items() if stream.sent.get(j) != e]
+                if not missing:
+                    continue
+                log.warning(
+                    "replica was never sent some assignments; sending them",
+                    extra={"controller_id": cid, "jobs": missing[:20], "count": len(missing)},
+                )
+                secrets = await self.store.secrets(missing)
+                for job in await self.store.get_jobs(missing, with_specs=True):
+                    if job.schedule_state != St.DONE and job.controller_id == cid:
+                        granted = job.schedule_state == St.LAUNCHING
+                        epoch, kept = truth[job.job_id], secrets.get(job.job_id)
+                        with contextlib.suppress(TooLarge):  # admission failed such a job
+                            sent += self.outbox.assign(cid, job, epoch, granted, kept)
         return sent
 
     async def _read(

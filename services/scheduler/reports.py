@@ -123,65 +123,75 @@ class Reports:
         self, controller_id: str, requests: Sequence[pb.ConnectControllerRequest]
     ) -> Applied:
         """Applies a replica's reports, in order, in one transaction."""
+        return await self.store.transaction(
+            functools.partial(self._apply, controller_id=controller_id, requests=requests)
+        )
+
+    def _apply(
+        self, txn: Txn, controller_id: str, requests: Sequence[pb.ConnectControllerRequest]
+    ) -> Applied:
         applied = Applied()
-        async with self.store.transaction() as txn:
-            await _prefetch(txn, requests)
-            for request in requests:
-                if request.WhichOneof("message") != "transition":
-                    # Its statements read or move rows earlier reports changed.
-                    await txn.write_back()
-                refusal, reason = await self._one(txn, controller_id, request, applied)
-                if refusal == Refusal.STALE:
-                    self.refused_stale += 1
-                    applied.revokes.append(_job_of(request))
-                elif refusal == Refusal.INVALID:
-                    self.refused_invalid += 1
-                kind = request.WhichOneof("message") or "empty"
-                refused = "" if refusal == Refusal.NONE else refusal.name.lower()
-                txn.after.append(functools.partial(metrics.reported, kind, refused))
-                applied.acks.append(
-                    pb.ReportAck(
-                        ack_seq=request.seq,
-                        accepted=refusal == Refusal.NONE,
-                        reason=reason,
-                        refusal=int(refusal),  # type: ignore[arg-type]
-                    )
+        _prefetch(txn, requests)
+        for request in requests:
+            if request.WhichOneof("message") != "transition":
+                # Its statements read or move rows earlier reports changed.
+                txn.write_back()
+            refusal, reason = self._one(txn, controller_id, request, applied)
+            if refusal == Refusal.STALE:
+                applied.revokes.append(_job_of(request))
+            kind = request.WhichOneof("message") or "empty"
+            txn.after.append(functools.partial(self._counted, kind, refusal))
+            applied.acks.append(
+                pb.ReportAck(
+                    ack_seq=request.seq,
+                    accepted=refusal == Refusal.NONE,
+                    reason=reason,
+                    refusal=int(refusal),  # type: ignore[arg-type]
                 )
+            )
         return applied
 
-    async def _one(
+    def _counted(self, kind: str, refusal: Refusal) -> None:
+        """Counts a report once its batch committed (on the event loop)."""
+        if refusal == Refusal.STALE:
+            self.refused_stale += 1
+        elif refusal == Refusal.INVALID:
+            self.refused_invalid += 1
+        metrics.reported(kind, "" if refusal == Refusal.NONE else refusal.name.lower())
+
+    def _one(
         self, txn: Txn, cid: str, request: pb.ConnectControllerRequest, applied: Applied
     ) -> tuple[Refusal, str]:
         kind = request.WhichOneof("message")
         try:
             request = checked(request)
             if kind == "transition":
-                await transition(txn, cid, request.transition)
+                transition(txn, cid, request.transition)
             elif kind == "launch_slot_request":
                 r = request.launch_slot_request
                 reason = r.reason or "waiting for a launch slot"
-                move = await move_held(
+                move = move_held(
                     txn, r.job_id, St.ALIVE, St.ALIVE_WAITING, r.epoch, cid, reason,
                     "launch slot requested",
                 )  # fmt: skip
-                if move is None and await _current(txn, r.job_id, r.epoch, cid) == St.LAUNCHING:
+                if move is None and _current(txn, r.job_id, r.epoch, cid) == St.LAUNCHING:
                     # Already holds a slot (a repeated request): grant again.
                     applied.grants.append((r.job_id, r.epoch))
             elif kind == "launch_slot_release":
                 r2 = request.launch_slot_release
-                move = await move_held(
+                move = move_held(
                     txn, r2.job_id, St.LAUNCHING, St.ALIVE, r2.epoch, cid, r2.wait_reason,
                     r2.wait_reason or "launched",
                 )  # fmt: skip
                 if move is None:
                     # A repeat is harmless; a stale epoch is not.
-                    await _current(txn, r2.job_id, r2.epoch, cid)
+                    _current(txn, r2.job_id, r2.epoch, cid)
             elif kind == "job_finished":
                 r3 = request.job_finished
-                await finish(txn, cid, r3.job_id, r3.epoch, r3.failure_reason)
+                finish(txn, cid, r3.job_id, r3.epoch, r3.failure_reason)
             elif kind == "job_handback":
                 pairs = [(h.job_id, h.epoch) for h in request.job_handback.jobs]
-                await release(txn, cid, pairs=pairs, reason=f"handed back by {cid}")
+                release(txn, cid, pairs=pairs, reason=f"handed back by {cid}")
             else:
                 return Refusal.INVALID, f"a {kind or 'empty'} message is not a report"
         except StaleReport as stale:
@@ -194,9 +204,12 @@ class Reports:
         self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
     ) -> list[Move]:
         """Takes jobs (all, by default) away from a replica whose lease expired."""
-        async with self.store.transaction() as txn:
-            await release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
-        return txn.moves
+
+        def body(txn: Txn) -> list[Move]:
+            release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
+            return txn.moves
+
+        return await self.store.transaction(body)
 
 
 @dataclasses.dataclass
@@ -227,7 +240,7 @@ def _loaded(txn: Txn) -> Loaded:
     return loaded
 
 
-async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -> None:
+def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -> None:
     """Loads the jobs, tasks and attempts the batch's reports touch, locking the jobs.
 
     Later reads of these keys in the transaction need no round trip, found or not.
@@ -253,27 +266,27 @@ async def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -
     job_ids |= finished_ids
     if not job_ids:
         return
-    session = txn.session
+    conn = txn.conn
     loaded = _loaded(txn)
     jobs_in = sorted(job_ids)
-    found_jobs = values_of(await session.execute(LOAD_JOBS, {"ids": jobs_in}))
+    found_jobs = values_of(conn.execute(LOAD_JOBS, {"ids": jobs_in}))
     loaded.jobs.update(dict.fromkeys(job_ids))
     loaded.jobs.update((job["id"], txn.track(JOBS, job)) for job in found_jobs)
     if task_keys:
         params = {"ids": jobs_in, "keys": sorted(task_keys)}
         loaded.tasks.update(dict.fromkeys(task_keys))
-        for row in values_of(await session.execute(LOAD_TASKS, params)):
+        for row in values_of(conn.execute(LOAD_TASKS, params)):
             loaded.task(row)
     if attempt_keys:
         params = {"ids": jobs_in, "keys": sorted(attempt_keys)}
         loaded.attempts.update(dict.fromkeys(attempt_keys))
-        for row in values_of(await session.execute(LOAD_ATTEMPTS, params)):
+        for row in values_of(conn.execute(LOAD_ATTEMPTS, params)):
             key = (row["job_id"], row["task_id"], row["attempt"])
             loaded.attempts[key] = txn.track(ATTEMPTS, row)
     if finished_ids:
         unfinished: dict[int, list[Tracked]] = {job_id: [] for job_id in finished_ids}
         params = {"ids": sorted(finished_ids)}
-        for row in values_of(await session.execute(UNFINISHED_TASKS, params)):
+        for row in values_of(conn.execute(UNFINISHED_TASKS, params)):
             unfinished[row["job_id"]].append(loaded.task(row))
         loaded.unfinished.update(unfinished)
 
@@ -333,42 +346,42 @@ def _storable(name: str, text: str) -> str:
     return bound(text, MAX_REPORT_TEXT)
 
 
-async def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
+def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
     """The job's schedule state, if it is assigned to `cid` at `epoch`.
 
     Raises:
         StaleReport: it is not.
     """
-    row = (await txn.session.execute(ASSIGNMENT, {"job_id": job_id})).first()
+    row = (txn.conn.execute(ASSIGNMENT, {"job_id": job_id})).first()
     if row is None or row[0] != cid or int(row[1]) != epoch:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return St(row[2])
 
 
-async def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
+def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
     # Locked by `_prefetch` (FOR UPDATE on PostgreSQL) when the batch read it.
     loaded = _loaded(txn)
     if job_id in loaded.jobs:
         job = loaded.jobs[job_id]
     else:
-        rows = values_of(await txn.session.execute(LOAD_JOBS, {"ids": [job_id]}))
+        rows = values_of(txn.conn.execute(LOAD_JOBS, {"ids": [job_id]}))
         job = loaded.jobs[job_id] = txn.track(JOBS, rows[0]) if rows else None
     if job is None or job.epoch != epoch or job.controller_id != cid:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return job
 
 
-async def _task(txn: Txn, job_id: int, task_id: int) -> Tracked | None:
+def _task(txn: Txn, job_id: int, task_id: int) -> Tracked | None:
     loaded = _loaded(txn)
     key = (job_id, task_id)
     if key not in loaded.tasks:
         params = {"ids": [job_id], "keys": [key]}
-        rows = values_of(await txn.session.execute(LOAD_TASKS.with_for_update(), params))
+        rows = values_of(txn.conn.execute(LOAD_TASKS.with_for_update(), params))
         loaded.tasks[key] = loaded.task(rows[0]) if rows else None
     return loaded.tasks[key]
 
 
-async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
+def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
     """Applies one task report: the task, then the job's view of its current task.
 
     Raises:
@@ -376,8 +389,8 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
         IllegalTransition, ValueError: the report breaks a rule.
     """
     new = S(report.status)
-    job = await _held_job(txn, report.job_id, report.epoch, cid)
-    task = await _task(txn, job.id, report.task_id)
+    job = _held_job(txn, report.job_id, report.epoch, cid)
+    task = _task(txn, job.id, report.task_id)
     if task is None:
         raise ValueError(f"job {job.id} has no task {report.task_id}")
     old_recoveries, old_restarts = task.recovery_count, task.restart_count
@@ -401,8 +414,8 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
     if new in TERMINAL:
         task.end_time = convert.from_timestamp(report.end_time) or task.end_time or txn.now
     job.recovery_count += task.recovery_count - old_recoveries
-    await _record_attempt(txn, task, report, new)
-    await _follow_current_task(txn, job, task)
+    _record_attempt(txn, task, report, new)
+    _follow_current_task(txn, job, task)
     if new == S.RUNNING and job.start_time is None:
         job.start_time = task.start_time
     if report.release_slot and job.schedule_state == St.LAUNCHING:
@@ -424,9 +437,7 @@ async def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
         )
 
 
-async def _record_attempt(
-    txn: Txn, task: Tracked, report: pb.TaskTransition, new: JobStatus
-) -> None:
+def _record_attempt(txn: Txn, task: Tracked, report: pb.TaskTransition, new: JobStatus) -> None:
     """Keeps the attempt's row: opened when it runs, closed with its end and exit code."""
     if not _touches_attempt(report):
         return
@@ -434,7 +445,7 @@ async def _record_attempt(
     loaded = _loaded(txn)
     if key not in loaded.attempts:
         params = {"ids": [key[0]], "keys": [key]}
-        rows = values_of(await txn.session.execute(LOAD_ATTEMPTS, params))
+        rows = values_of(txn.conn.execute(LOAD_ATTEMPTS, params))
         loaded.attempts[key] = txn.track(ATTEMPTS, rows[0]) if rows else None
     attempt = loaded.attempts[key]
     if attempt is None:
@@ -466,13 +477,13 @@ def _touches_attempt(report: pb.TaskTransition) -> bool:
     return report.status != S.CANCELLING or report.HasField("exit_code")
 
 
-async def _follow_current_task(txn: Txn, job: Tracked, task: Tracked) -> None:
+def _follow_current_task(txn: Txn, job: Tracked, task: Tracked) -> None:
     """A job shows its first unfinished (not SUCCEEDED) task's status."""
     status = S(task.status)
     if task.task_id == job.current_task and status == S.SUCCEEDED:
         if task.task_id + 1 < job.num_tasks:
             job.current_task = task.task_id + 1
-            following = await _task(txn, job.id, job.current_task)
+            following = _task(txn, job.id, job.current_task)
             job.status = S(following.status) if following is not None else S.PENDING
         else:
             job.status = S.SUCCEEDED
@@ -486,7 +497,7 @@ async def _follow_current_task(txn: Txn, job: Tracked, task: Tracked) -> None:
         job.failure_reason = task.failure_reason
 
 
-async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> None:
+def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> None:
     """The replica finished the lifecycle: the job is DONE.
 
     A task the lifecycle left unfinished would break "every job ends in one
@@ -495,14 +506,14 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     and any other in flight end FAILED_CONTROLLER with the reason (with no reason,
     a current task that never started ends CANCELLED too).
     """
-    job = await _held_job(txn, job_id, epoch, cid)
+    job = _held_job(txn, job_id, epoch, cid)
     if job.schedule_state == St.DONE:
         return
     loaded = _loaded(txn)
     if job_id in loaded.unfinished:
         unfinished = loaded.unfinished[job_id]
     else:
-        rows = values_of(await txn.session.execute(UNFINISHED_TASKS, {"ids": [job_id]}))
+        rows = values_of(txn.conn.execute(UNFINISHED_TASKS, {"ids": [job_id]}))
         unfinished = [loaded.task(row) for row in rows]
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
@@ -516,7 +527,7 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
             set_task_status(task, S.FAILED_CONTROLLER)
             task.failure_reason = reason or NO_FINAL_STATUS
         task.end_time = txn.now
-        await _follow_current_task(txn, job, task)
+        _follow_current_task(txn, job, task)
     prior = St(job.schedule_state)
     job.schedule_state = schedule_transition(prior, St.DONE)
     job.end_time = txn.now
@@ -525,7 +536,7 @@ async def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") 
     txn.moves.append(Move(job_id, cid, cid, epoch, prior, St.DONE))
 
 
-async def release(
+def release(
     txn: Txn,
     cid: str,
     *,
@@ -556,7 +567,7 @@ async def release(
         where = [JobRow.controller_id == cid, *scope]
         for old, new in ((St.LAUNCHING, St.ALIVE), (St.ALIVE, St.ALIVE), (St.ALIVE_WAITING,) * 2):
             rows = (
-                await txn.session.execute(
+                txn.conn.execute(
                     update(JobRow)
                     .where(*where, JobRow.schedule_state == old)
                     .values(controller_id=None, schedule_state=schedule_transition(old, new))
@@ -567,10 +578,10 @@ async def release(
     if not released:
         return
     ids = [r[0] for r in released]
-    moved = await set_task_statuses(txn, ids, [S.STARTING], S.RECOVERING)
+    moved = set_task_statuses(txn, ids, [S.STARTING], S.RECOVERING)
     recovering = {job_id for job_id, _ in moved}
     for chunk in chunked(sorted(recovering)):
-        await txn.session.execute(
+        txn.conn.execute(
             update(JobRow)
             .where(in_ids(JOBS.c.id, values=chunk), JobRow.status == S.STARTING)
             .values(status=S.RECOVERING),

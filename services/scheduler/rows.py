@@ -3,9 +3,7 @@
 A batch of reports reads the jobs, tasks and attempts it touches up front, changes
 them report by report, and writes back what changed (`reports.py`). Through the ORM
 that cost most of a batch's time: building an object per row, and the unit of work
-that finds each changed attribute and writes each row with a statement of its own
-(a batch of two reports of one job, timed alone on a slow 2-core machine: 6.1-6.8 ms
-of CPU through the ORM, 5.1-5.2 ms with tracked rows).
+that finds each changed attribute and writes each row with a statement of its own.
 A `Tracked` row is its columns' values and the names of those that changed;
 `write_back` writes every changed row with one prebuilt UPDATE (by primary key) per
 table and set of changed columns, and new rows with one INSERT per table, each run
@@ -23,14 +21,12 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Insert, Result, Table, Update, bindparam, insert, update
-
-from services.scheduler.session import Session
+from sqlalchemy import Connection, Insert, Result, Table, Update, bindparam, insert, update
 
 
 def values_of(result: Result[Any]) -> list[dict[str, Any]]:
     """A result's rows as plain values, its column names read once for them all
-    (`Row._asdict` builds them again for every row: ~6.4 us a row against ~1.7)."""
+    (`Row._asdict` builds them again for every row)."""
     keys = list(result.keys())
     return [dict(zip(keys, row, strict=True)) for row in result]
 
@@ -73,8 +69,8 @@ def _default(column: Any) -> Any:
     return default.arg if default is not None and default.is_scalar else None
 
 
-async def write_back(session: Session, rows: Iterable[Tracked | None]) -> None:
-    """Writes the new and changed ones of `rows` in `session`'s transaction; they are then
+def write_back(connection: Connection, rows: Iterable[Tracked | None]) -> None:
+    """Writes the new and changed ones of `rows` in `connection`'s transaction; they are then
     as stored (unchanged, not new)."""
     inserts: dict[Table, list[dict[str, Any]]] = {}
     updates: dict[tuple[Table, tuple[str, ...]], list[dict[str, Any]]] = {}
@@ -92,9 +88,9 @@ async def write_back(session: Session, rows: Iterable[Tracked | None]) -> None:
         object.__setattr__(row, "_new", False)
         row._changed.clear()
     for table, values in inserts.items():
-        await session.execute(_insert(table), values)
+        connection.execute(_insert(table), values)
     for (table, columns), changes in updates.items():
-        await session.execute(_update(table, columns), changes)
+        connection.execute(_update(table, columns), changes)
 
 
 @functools.cache

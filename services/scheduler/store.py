@@ -1,12 +1,15 @@
-"""The scheduler's database: one door in (`Store.transaction`), one door out (the hooks).
+"""The scheduler's records: one door in (`Store.transaction`), one door out (the hooks).
 
-Every write goes through `transaction()`. A transaction records the events it
-writes and the schedule-state moves it makes (`Txn.event`, `Txn.moves`); once it
-has committed, the store publishes the events to watchers and hands the moves to
-`on_moves`, the one place the admission counters follow. Nothing else changes a
-counter, so counters and the database cannot drift apart by a forgotten call;
-a transaction whose outcome is in doubt (the database went away during it)
-calls `on_doubt`, and the counters are reconciled with a recount.
+Every write goes through `transaction(body)`: `body` is a plain synchronous
+function of a `Txn` (its connection, its clock reading) that runs SQLAlchemy
+Core statements, run whole in one transaction by the database (`db/`). A
+transaction records the events it writes and the schedule-state moves it makes
+(`Txn.event`, `Txn.moves`); exactly when it has committed, even if its caller
+was cancelled meanwhile, the store publishes the events to watchers and hands
+the moves to `on_moves`, the one place the admission counters follow. Nothing
+else changes a counter, so counters and the database cannot drift apart by a
+forgotten call; a transaction whose outcome is unknown (its COMMIT failed) has
+the database call its `on_doubt`, and the counters are reconciled with a recount.
 
 Invariants kept here, whatever the caller does:
 - A schedule-state change is one conditional UPDATE (from-state and, for a
@@ -30,11 +33,10 @@ import functools
 import json
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
-from sqlalchemy import Row, Select, Table, bindparam, func, insert, select, update
+from sqlalchemy import Connection, Row, Select, Table, bindparam, func, insert, select, update
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from managedjobs.v1 import job_pb2
@@ -61,7 +63,6 @@ from services.scheduler.models import (
     TaskRow,
 )
 from services.scheduler.rows import Tracked, write_back
-from services.scheduler.session import Session
 from services.scheduler.spec import resources_summary
 
 log = logging.getLogger(__name__)
@@ -127,10 +128,8 @@ class Queued(NamedTuple):
 
 
 # The statements of the hot paths (a submission, an admission pass, a report), built once
-# with bound parameters: building a statement costs more than running it (an UPDATE of
-# one row: ~190 us built each time through the ORM's attributes, ~60 us prebuilt on the
-# table's columns, on SQLite). Their columns are the tables' own, not the ORM's, so a
-# session runs them as plain Core statements. Lists of ids are one JSON parameter each
+# with bound parameters: building a statement costs more than running it. Their columns
+# are the tables' own, not the ORM's. Lists of ids are one JSON parameter each
 # (`id_lists.in_ids`): one statement text whatever the list's length.
 J = JOBS.c
 E = EVENTS.c
@@ -201,6 +200,9 @@ MOVE_ONE = (
 )
 MOVE_ONE_WITH_REASON = MOVE_ONE.values(wait_reason=bindparam("reason"))
 ORPHANS = _queue(J.controller_id.is_(None), J.schedule_state.in_(list(ALIVE_LIST)))
+ALIVE_WAITING_ON = _queue(
+    J.schedule_state == St.ALIVE_WAITING, J.controller_id.in_(bindparam("cids", expanding=True))
+)
 SELECT_SECRETS = select(SECRETS.c.job_id, SECRETS.c.data).where(in_ids(SECRETS.c.job_id, param=IDS))
 JOB_ATTEMPTS = select(ATTEMPTS).where(ATTEMPTS.c.job_id == bindparam("job_id"))
 OWNERS = select(J.id, J.user).where(in_ids(J.id, param=IDS))
@@ -230,14 +232,17 @@ class StaleReport(Exception):
 
 @dataclasses.dataclass
 class Txn:
-    """One write transaction: its session, its clock reading, what it wrote."""
+    """One write transaction: its connection, its clock reading, what it wrote."""
 
-    session: Session
+    conn: Connection
     now: dt.datetime
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     moves: list[Move] = dataclasses.field(default_factory=list)
-    # Run once the transaction committed (metrics, messages that depend on the commit).
+    # Run on the event loop once the transaction committed, in commit order (metrics,
+    # messages to replicas that depend on the commit).
     after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
+    # The events as written, with their ids (set as the transaction ends).
+    published: list[job_pb2.JobEvent] = dataclasses.field(default_factory=list)
     # What a writer read up front for the rest of the transaction (e.g. a batch's rows).
     cache: dict[str, object] = dataclasses.field(default_factory=dict)
     # Rows read as plain values and changed in Python (`rows.py`): written back before a
@@ -257,9 +262,9 @@ class Txn:
         self.tracked.append(tracked)
         return tracked
 
-    async def write_back(self) -> None:
+    def write_back(self) -> None:
         """Writes the tracked rows' changes (and new rows) now."""
-        await write_back(self.session, self.tracked)
+        write_back(self.conn, self.tracked)
 
     def event(
         self,
@@ -307,7 +312,7 @@ def set_task_status(task: Tracked, new: JobStatus) -> bool:
     return True
 
 
-async def set_task_statuses(
+def set_task_statuses(
     txn: Txn,
     job_ids: Sequence[int],
     old: Iterable[JobStatus],
@@ -336,7 +341,7 @@ async def set_task_statuses(
         )
         if task_id is not None:
             query = query.where(TaskRow.task_id == task_id)
-        rows = await txn.session.execute(
+        rows = txn.conn.execute(
             query.values(status=new, **values).returning(TaskRow.job_id, TaskRow.task_id),
         )
         moved += [(int(j), int(t)) for j, t in rows.all()]
@@ -356,12 +361,8 @@ class Store:
         self.db = db
         self.bus = bus
         self.clock = clock
-        # The hooks: set by the scheduler app (the counters and admission follow moves).
+        # The hook: set by the scheduler app (the counters and admission follow moves).
         self.on_moves: Callable[[Sequence[Move]], None] = lambda moves: None
-        self.on_doubt: Callable[[], None] = lambda: None
-        # For reconciling counters at a quiet moment: writes under way, and started.
-        self.writes_in_flight = 0
-        self.writes_started = 0
         # PostgreSQL: jobs inserted by this store, and when statistics are next gathered.
         self._inserted = 0
         self._analyze_at = ANALYZE_FIRST
@@ -369,33 +370,38 @@ class Store:
 
     # --- the one door in ------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def transaction(self, urgent: bool = False) -> AsyncIterator[Txn]:
-        """A write transaction; its events and moves are published once it committed.
+    async def transaction(self, body: Callable[[Txn], T], client: bool = False) -> T:
+        """Runs `body` in a write transaction; its events and moves are published exactly
+        when it committed.
 
-        `urgent`: a client waits for it (a submission, a cancel); on SQLite it goes
-        before waiting background work, on the event loop's thread (see `db.py`).
+        `client`: a client waits for it (a submission, a cancel), so it goes before
+        waiting background work.
+
+        Raises:
+            OutcomeUnknown: the COMMIT failed; the counters are reconciled.
         """
-        self.writes_in_flight += 1
-        self.writes_started += 1
-        try:
-            try:
-                async with self.db.write(urgent) as session:
-                    txn = Txn(session, self.clock())
-                    yield txn
-                    await txn.write_back()
-                    messages = await _insert_events(session, txn.events)
-            except (SQLAlchemyError, OSError):
-                # Committed or not, nobody knows: the counters must be checked.
-                self.on_doubt()
-                raise
-            self.bus.publish(messages)
-            if txn.moves:
-                self.on_moves(txn.moves)
-            for call in txn.after:
-                call()
-        finally:
-            self.writes_in_flight -= 1
+
+        def run(conn: Connection) -> tuple[Txn, T]:
+            txn = Txn(conn, self.clock())
+            value = body(txn)
+            txn.write_back()
+            txn.published = _insert_events(conn, txn.events)
+            return txn, value
+
+        _, value = await self.db.write(run, client=client, committed=self._committed)
+        return value
+
+    def _committed(self, outcome: tuple[Txn, object]) -> None:
+        txn = outcome[0]
+        self.bus.publish(txn.published)
+        if txn.moves:
+            self.on_moves(txn.moves)
+        for call in txn.after:
+            call()
+
+    async def read(self, body: Callable[[Connection], T]) -> T:
+        """Runs `body` in a read transaction."""
+        return await self.db.read(body)
 
     # --- submission -----------------------------------------------------------------------
 
@@ -404,74 +410,19 @@ class Store:
         return (await self.submit_many([job]))[0]
 
     async def submit_many(self, jobs: Sequence[NewJob]) -> list[tuple[int, bool]]:
-        """Stores jobs in one transaction (group commit); (job_id, created) for each.
+        """Stores jobs in one transaction, all of them or none; (job_id, created) for each.
 
         A job whose (user, idempotency key) was seen before, in the database or
-        earlier in the same batch, is not stored again: its answer is the first id.
+        earlier in the same call, is not stored again: its answer is the first id.
         """
+        body = functools.partial(insert_jobs, jobs=jobs)
         try:
-            return await self._submit_many(jobs)
+            answers = await self.transaction(body, client=True)
         except IntegrityError:
-            if len(jobs) == 1:
-                raise
-            # Another writer took a key meanwhile: redo one by one, each re-checking.
-            return [(await self._submit_many([job]))[0] for job in jobs]
-
-    async def _submit_many(self, jobs: Sequence[NewJob]) -> list[tuple[int, bool]]:
-        answers: list[tuple[int, bool] | None] = [None] * len(jobs)
-        keys = {job.idempotency_key for job in jobs if job.idempotency_key}
-        users = {job.user for job in jobs if job.idempotency_key}
-        repeats: list[tuple[int, int]] = []
-        async with self.transaction(urgent=True) as txn:
-            existing: dict[tuple[str, str], int] = {}
-            if keys:
-                params = {"users": list(users), "keys": list(keys)}
-                rows = await txn.session.execute(KEYED_JOBS, params)
-                existing = {(u, k or ""): int(i) for i, u, k in rows.all()}
-            fresh: list[int] = []
-            first_in_batch: dict[tuple[str, str], int] = {}
-            for index, job in enumerate(jobs):
-                key = (job.user, job.idempotency_key)
-                if job.idempotency_key and key in existing:
-                    answers[index] = (existing[key], False)
-                elif job.idempotency_key and key in first_in_batch:
-                    repeats.append((index, first_in_batch[key]))
-                else:
-                    if job.idempotency_key:
-                        first_in_batch[key] = index
-                    fresh.append(index)
-            if fresh:
-                state = schedule_transition(St.INACTIVE, St.WAITING)
-                ids = (
-                    await txn.session.scalars(
-                        INSERT_JOBS, [_job_values(jobs[i], state, txn.now) for i in fresh]
-                    )
-                ).all()
-                await txn.session.execute(
-                    INSERT_TASKS,
-                    [
-                        _task_values(job_id, task_id, spec)
-                        for job_id, i in zip(ids, fresh, strict=True)
-                        for task_id, spec in enumerate(jobs[i].tasks)
-                    ],
-                )
-                secrets = [
-                    {"job_id": job_id, "data": json.dumps(list(jobs[i].secrets))}
-                    for job_id, i in zip(ids, fresh, strict=True)
-                    if any(jobs[i].secrets)
-                ]
-                if secrets:
-                    await txn.session.execute(INSERT_SECRETS, secrets)
-                for job_id, i in zip(ids, fresh, strict=True):
-                    txn.event(int(job_id), 0, S.PENDING, state, SUBMITTED)
-                    txn.moves.append(Move(int(job_id), None, None, 0, St.INACTIVE, state))
-                    answers[i] = (int(job_id), True)
-        self._grew(len(fresh))
-        for index, first in repeats:
-            first_answer = answers[first]
-            assert first_answer is not None
-            answers[index] = (first_answer[0], False)
-        return [a for a in answers if a is not None]
+            # Another writer stored one of the keys meanwhile: its job is the answer now.
+            answers = await self.transaction(body, client=True)
+        self._grew(sum(created for _, created in answers))
+        return answers
 
     def _grew(self, inserted: int) -> None:
         """Counts inserted jobs; on PostgreSQL, gathers statistics when they grew enough."""
@@ -484,11 +435,8 @@ class Store:
         self.analyzing = asyncio.create_task(self._analyze(), name="analyze")
 
     async def _analyze(self) -> None:
-        # Outside the write turns: ANALYZE blocks no insert or update.
         try:
-            async with self.db.write_engine.connect() as conn:
-                await conn.exec_driver_sql(ANALYZE)
-                await conn.commit()
+            await self.db.maintenance(ANALYZE)
         except (SQLAlchemyError, OSError) as error:
             log.warning("gathering table statistics failed", extra={"error": str(error)})
             return
@@ -498,42 +446,17 @@ class Store:
 
     async def get_job(self, job_id: int, with_specs: bool = False) -> job_pb2.Job | None:
         """One job with its tasks and every task's attempts."""
-        async with self.db.read() as session:
-            jobs = await job_messages(session, [job_id], with_specs)
-            if not jobs:
-                return None
-            attempts = (await session.execute(JOB_ATTEMPTS, {"job_id": job_id})).all()
-        job = jobs[0]
-        for row in sorted(attempts, key=lambda a: (a.task_id, a.attempt)):
-            if 0 <= row.task_id < len(job.tasks):
-                job.tasks[row.task_id].attempts.append(convert.attempt_message(row))
-        return job
+        return await self.db.read(functools.partial(job_with_attempts, job_id=job_id,
+                                                    with_specs=with_specs))  # fmt: skip
 
     async def get_jobs(self, job_ids: Sequence[int], with_specs: bool = False) -> list[job_pb2.Job]:
-        async with self.db.read() as session:
-            return await job_messages(session, list(job_ids), with_specs)
+        return await self.db.read(lambda conn: job_messages(conn, list(job_ids), with_specs))
 
-    async def secrets(
-        self, job_ids: Sequence[int], txn: Txn | None = None
-    ) -> dict[int, list[pb.TaskSecrets]]:
-        """The secrets of jobs that have any, per task: for their assignment only. Read in
-        `txn` when given (no transaction of their own)."""
+    async def secrets(self, job_ids: Sequence[int]) -> dict[int, list[pb.TaskSecrets]]:
+        """The secrets of jobs that have any, per task: for their assignment only."""
         if not job_ids:
             return {}
-        params = {"ids": list(job_ids)}
-        if txn is not None:
-            rows = (await txn.session.execute(SELECT_SECRETS, params)).all()
-        else:
-            async with self.db.read() as session:
-                rows = (await session.execute(SELECT_SECRETS, params)).all()
-        return {
-            int(job_id): [
-                pb.TaskSecrets(task_id=task_id, secrets=values)
-                for task_id, values in enumerate(json.loads(data))
-                if values
-            ]
-            for job_id, data in rows
-        }
+        return await self.db.read(lambda conn: secrets_of(conn, job_ids))
 
     async def list_jobs(
         self,
@@ -549,9 +472,11 @@ class Store:
         query = _list_query(bool(job_ids), bool(statuses), bool(user), bool(name), bool(before_id))
         params = {"limit": limit, "ids": list(job_ids), "statuses": statuses, "user": user,
                   "name": name, "before_id": before_id}  # fmt: skip
-        async with self.db.read() as session:
-            rows = (await session.execute(query, params)).all()
-            return await _with_tasks(session, rows, with_specs=False)
+
+        def read(conn: Connection) -> list[job_pb2.Job]:
+            return _with_tasks(conn, conn.execute(query, params).all(), with_specs=False)
+
+        return await self.db.read(read)
 
     async def events_after(
         self, after_id: int, job_ids: Iterable[int] = (), user: str = "", limit: int = 1000
@@ -562,45 +487,26 @@ class Store:
             query = query.where(E.job_id.in_(job_ids))
         if user:
             query = query.where(E.job_id.in_(select(J.id).where(J.user == user)))
-        async with self.db.read() as session:
-            return [convert.event_message(r) for r in await session.execute(query)]
+        return await self.db.read(
+            lambda conn: [convert.event_message(r) for r in conn.execute(query)]
+        )
 
     async def last_event_id(self) -> int:
-        async with self.db.read() as session:
-            return int(await session.scalar(select(func.max(E.id))) or 0)
+        return int(await self.db.read(lambda conn: conn.scalar(select(func.max(E.id)))) or 0)
 
     async def job_owners(self, ids: Iterable[int]) -> dict[int, str]:
         """job_id -> user of the jobs that exist among `ids`."""
-        async with self.db.read() as session:
-            rows = (await session.execute(OWNERS, {"ids": list(ids)})).all()
+        params = {"ids": list(ids)}
+        rows = await self.db.read(lambda conn: conn.execute(OWNERS, params).all())
         return {int(i): str(u) for i, u in rows}
 
     # --- admission ------------------------------------------------------------------------
 
     async def queued(
-        self,
-        state: ScheduleState,
-        controller_id: str | None,
-        limit: int,
-        txn: Txn | None = None,
+        self, state: ScheduleState, controller_id: str | None, limit: int
     ) -> list[Queued]:
-        """Jobs in `state` in admission order (priority, then submission); read in `txn`
-        when given (what it then moves was chosen from the latest committed queue)."""
-        if controller_id is None:
-            return await self._queued(QUEUED, {"state": state, "limit": limit}, txn)
-        params = {"state": state, "cid": controller_id, "limit": limit}
-        return await self._queued(QUEUED_HELD, params, txn)
-
-    async def _queued(
-        self,
-        query: Select[int, int, int, str | None, ScheduleState],
-        params: dict[str, Any],
-        txn: Txn | None = None,
-    ) -> list[Queued]:
-        if txn is not None:
-            return [Queued(*row) for row in (await txn.session.execute(query, params)).all()]
-        async with self.db.read() as session:
-            return [Queued(*row) for row in (await session.execute(query, params)).all()]
+        """Jobs in `state` in admission order (priority, then submission)."""
+        return await self.db.read(lambda conn: queued_jobs(conn, state, controller_id, limit))
 
     async def ahead_of(self, job_id: int, priority: int) -> int:
         """How many queued jobs rank ahead of this WAITING one (ALIVE_WAITING first, then
@@ -615,12 +521,14 @@ class Store:
                 )
             )
         )
-        async with self.db.read() as session:
-            return int(await session.scalar(query) or 0)
+        count: int | None = await self.db.read(lambda conn: conn.scalar(query))
+        return count or 0
 
     async def orphans(self, limit: int) -> list[Queued]:
         """Admitted jobs that no replica holds (their replica's lease expired)."""
-        return await self._queued(ORPHANS, {"limit": limit})
+        params = {"limit": limit}
+        rows = await self.db.read(lambda conn: conn.execute(ORPHANS, params).all())
+        return [Queued(*row) for row in rows]
 
     async def move_many(
         self,
@@ -631,54 +539,20 @@ class Store:
         controller_id: str | None = None,
         assign_to: str | None = None,
         message: str = "",
-        fetch: bool = False,
-        txn: Txn | None = None,
-    ) -> tuple[list[Move], list[job_pb2.Job]]:
-        """Moves many jobs from `old` to `new` in one conditional UPDATE (admission batches).
-
-        Only jobs still in `old` (and held by `controller_id`, when given; by nobody when
-        assigning) move; `assign_to` hands them to that replica with the next epoch.
-        With `fetch`, the moved jobs (with their task specs, and the cancel flag as
-        committed with the move) are read in the same transaction: its own, or `txn`
-        (then nothing is committed yet when this returns).
-        """
-        if not job_ids:
-            return [], []
-        schedule_transition(old, new)
-        params = {"ids": list(job_ids), "old": old, "new": new}
-        if assign_to is not None:
-            params["to"] = assign_to
-        elif controller_id is not None:
-            params["cid"] = controller_id
-        held = assign_to is None and controller_id is not None
-        query = (MOVES_FETCHING if fetch else MOVES)[(assign_to is not None, held)]
-        if txn is None:
-            async with self.transaction() as own:
-                return await self.move_many(
-                    job_ids, old, new, controller_id=controller_id, assign_to=assign_to,
-                    message=message, fetch=fetch, txn=own,
-                )  # fmt: skip
-        moves: list[Move] = []
-        # In the order asked for (a database returns an UPDATE's rows in any order).
-        rank = {job_id: index for index, job_id in enumerate(job_ids)}
-        rows = sorted(
-            (await txn.session.execute(query, params)).all(),
-            key=lambda row: rank.get(row.id, len(rank)),
-        )
-        for row in rows:
-            epoch = row.epoch
-            # The assignment's event carries its new epoch, so the log tells who held what.
-            txn.event(row.id, row.current_task, row.status, new, message or new.name,
-                      epoch if assign_to else 0)  # fmt: skip
-            moves.append(
-                Move(int(row.id), controller_id, assign_to or controller_id, epoch, old, new)
+    ) -> list[Move]:
+        """Moves many jobs from `old` to `new` in a transaction of their own (`move_many`)."""
+        moves, _ = await self.transaction(
+            functools.partial(
+                move_many,
+                job_ids=job_ids,
+                old=old,
+                new=new,
+                controller_id=controller_id,
+                assign_to=assign_to,
+                message=message,
             )
-        txn.moves += moves
-        jobs: list[job_pb2.Job] = []
-        if fetch and rows:
-            # The rows as the UPDATE left them; their tasks with their specs.
-            jobs = await _with_tasks(txn.session, rows, with_specs=True)
-        return moves, jobs
+        )
+        return moves
 
     async def move(
         self,
@@ -692,16 +566,14 @@ class Store:
         message: str = "",
     ) -> Move | None:
         """Moves a replica's job from `old` to `new` iff it is there at that epoch."""
-        async with self.transaction() as txn:
-            return await move_held(
-                txn, job_id, old, new, epoch, controller_id, wait_reason, message
-            )
+        return await self.transaction(
+            lambda txn: move_held(txn, job_id, old, new, epoch, controller_id, wait_reason, message)
+        )
 
     async def status_counts(self) -> dict[JobStatus, int]:
         """Jobs per status, straight from the database."""
         query = select(JobRow.status, func.count()).group_by(JobRow.status)
-        async with self.db.read() as session:
-            rows = (await session.execute(query)).all()
+        rows = await self.db.read(lambda conn: conn.execute(query).all())
         return {S(s) if not isinstance(s, S) else s: int(n) for s, n in rows}
 
     async def recount(self) -> Counter[tuple[str | None, ScheduleState]]:
@@ -709,8 +581,7 @@ class Store:
         query = select(JobRow.controller_id, JobRow.schedule_state, func.count()).group_by(
             JobRow.controller_id, JobRow.schedule_state
         )
-        async with self.db.read() as session:
-            rows = (await session.execute(query)).all()
+        rows = await self.db.read(lambda conn: conn.execute(query).all())
         return Counter({(c, St(s) if not isinstance(s, St) else s): int(n) for c, s, n in rows})
 
     async def held_by(self, controller_id: str) -> dict[int, int]:
@@ -718,21 +589,149 @@ class Store:
         query = select(JobRow.id, JobRow.epoch).where(
             JobRow.controller_id == controller_id, JobRow.schedule_state != St.DONE
         )
-        async with self.db.read() as session:
-            return {int(i): int(e) for i, e in (await session.execute(query)).all()}
+        rows = await self.db.read(lambda conn: conn.execute(query).all())
+        return {int(i): int(e) for i, e in rows}
 
     async def assignment(self, job_id: int) -> tuple[str | None, int] | None:
         """(controller_id, epoch) of a job, or None when it does not exist."""
-        async with self.db.read() as session:
-            row = (
-                await session.execute(
-                    select(JobRow.controller_id, JobRow.epoch).where(JobRow.id == job_id)
-                )
-            ).first()
+        query = select(JobRow.controller_id, JobRow.epoch).where(JobRow.id == job_id)
+        row = await self.db.read(lambda conn: conn.execute(query).first())
         return None if row is None else (row[0], int(row[1]))
 
 
-async def move_held(
+# --- transaction bodies and the reads they share -------------------------------------------
+
+
+def insert_jobs(txn: Txn, jobs: Sequence[NewJob]) -> list[tuple[int, bool]]:
+    """Stores jobs with their tasks, secrets and first events in `txn`; (job_id, created)
+    for each, in order (a repeated idempotency key answers with the first job's id)."""
+    answers: list[tuple[int, bool] | None] = [None] * len(jobs)
+    keys = {job.idempotency_key for job in jobs if job.idempotency_key}
+    users = {job.user for job in jobs if job.idempotency_key}
+    existing: dict[tuple[str, str], int] = {}
+    if keys:
+        rows = txn.conn.execute(KEYED_JOBS, {"users": list(users), "keys": list(keys)})
+        existing = {(u, k or ""): int(i) for i, u, k in rows.all()}
+    fresh: list[int] = []
+    first_in_call: dict[tuple[str, str], int] = {}
+    repeats: list[tuple[int, int]] = []
+    for index, job in enumerate(jobs):
+        key = (job.user, job.idempotency_key)
+        if job.idempotency_key and key in existing:
+            answers[index] = (existing[key], False)
+        elif job.idempotency_key and key in first_in_call:
+            repeats.append((index, first_in_call[key]))
+        else:
+            if job.idempotency_key:
+                first_in_call[key] = index
+            fresh.append(index)
+    if fresh:
+        state = schedule_transition(St.INACTIVE, St.WAITING)
+        ids = txn.conn.scalars(
+            INSERT_JOBS, [_job_values(jobs[i], state, txn.now) for i in fresh]
+        ).all()
+        txn.conn.execute(
+            INSERT_TASKS,
+            [
+                _task_values(job_id, task_id, spec)
+                for job_id, i in zip(ids, fresh, strict=True)
+                for task_id, spec in enumerate(jobs[i].tasks)
+            ],
+        )
+        secrets = [
+            {"job_id": job_id, "data": json.dumps(list(jobs[i].secrets))}
+            for job_id, i in zip(ids, fresh, strict=True)
+            if any(jobs[i].secrets)
+        ]
+        if secrets:
+            txn.conn.execute(INSERT_SECRETS, secrets)
+        for job_id, i in zip(ids, fresh, strict=True):
+            txn.event(int(job_id), 0, S.PENDING, state, SUBMITTED)
+            txn.moves.append(Move(int(job_id), None, None, 0, St.INACTIVE, state))
+            answers[i] = (int(job_id), True)
+    for index, first in repeats:
+        first_answer = answers[first]
+        assert first_answer is not None
+        answers[index] = (first_answer[0], False)
+    return [a for a in answers if a is not None]
+
+
+def queued_jobs(
+    conn: Connection, state: ScheduleState, controller_id: str | None, limit: int
+) -> list[Queued]:
+    """Jobs in `state` (held by `controller_id`, when given) in admission order."""
+    if controller_id is None:
+        rows = conn.execute(QUEUED, {"state": state, "limit": limit})
+    else:
+        rows = conn.execute(QUEUED_HELD, {"state": state, "cid": controller_id, "limit": limit})
+    return [Queued(*row) for row in rows.all()]
+
+
+def secrets_of(conn: Connection, job_ids: Sequence[int]) -> dict[int, list[pb.TaskSecrets]]:
+    """The secrets of jobs that have any, per task."""
+    if not job_ids:
+        return {}
+    rows = conn.execute(SELECT_SECRETS, {"ids": list(job_ids)}).all()
+    return {
+        int(job_id): [
+            pb.TaskSecrets(task_id=task_id, secrets=values)
+            for task_id, values in enumerate(json.loads(data))
+            if values
+        ]
+        for job_id, data in rows
+    }
+
+
+def move_many(
+    txn: Txn,
+    job_ids: Sequence[int],
+    old: ScheduleState,
+    new: ScheduleState,
+    *,
+    controller_id: str | None = None,
+    assign_to: str | None = None,
+    message: str = "",
+    fetch: bool = False,
+) -> tuple[list[Move], list[job_pb2.Job]]:
+    """Moves many jobs from `old` to `new` in one conditional UPDATE (admission batches).
+
+    Only jobs still in `old` (and held by `controller_id`, when given; by nobody when
+    assigning) move; `assign_to` hands them to that replica with the next epoch.
+    With `fetch`, the moved jobs (with their task specs, and the cancel flag as
+    committed with the move) are read in the same transaction.
+    """
+    if not job_ids:
+        return [], []
+    schedule_transition(old, new)
+    params = {"ids": list(job_ids), "old": old, "new": new}
+    if assign_to is not None:
+        params["to"] = assign_to
+    elif controller_id is not None:
+        params["cid"] = controller_id
+    held = assign_to is None and controller_id is not None
+    query = (MOVES_FETCHING if fetch else MOVES)[(assign_to is not None, held)]
+    moves: list[Move] = []
+    # In the order asked for (a database returns an UPDATE's rows in any order).
+    rank = {job_id: index for index, job_id in enumerate(job_ids)}
+    rows = sorted(
+        txn.conn.execute(query, params).all(),
+        key=lambda row: rank.get(row.id, len(rank)),
+    )
+    for row in rows:
+        epoch = row.epoch
+        # The assignment's event carries its new epoch, so the log tells who held what.
+        txn.event(row.id, row.current_task, row.status, new, message or new.name,
+                  epoch if assign_to else 0)  # fmt: skip
+        moves.append(Move(int(row.id), controller_id, assign_to or controller_id, epoch, old, new))
+    txn.moves += moves
+    jobs: list[job_pb2.Job] = []
+    if fetch and rows:
+        # The rows as the UPDATE left them; their tasks with their specs.
+        jobs = _with_tasks(txn.conn, rows, with_specs=True)
+    return moves, jobs
+
+
+def move_held(
     txn: Txn,
     job_id: int,
     old: ScheduleState,
@@ -748,7 +747,7 @@ async def move_held(
     query = MOVE_ONE
     if wait_reason is not None:
         query, params["reason"] = MOVE_ONE_WITH_REASON, wait_reason
-    row = (await txn.session.execute(query, params)).first()
+    row = txn.conn.execute(query, params).first()
     if row is None:
         return None
     txn.event(job_id, row[1], row[0], new, message or new.name)
@@ -757,29 +756,40 @@ async def move_held(
     return move
 
 
-async def job_messages(
-    session: Session, job_ids: list[int], with_specs: bool = True
+def job_messages(
+    conn: Connection, job_ids: list[int], with_specs: bool = True
 ) -> list[job_pb2.Job]:
     """Jobs with their tasks, read as plain rows (no ORM objects: this is a hot path)."""
-    jobs = (await session.execute(SELECT_JOBS, {"ids": job_ids})).all()
-    return await _with_tasks(session, jobs, with_specs)
+    jobs = conn.execute(SELECT_JOBS, {"ids": job_ids}).all()
+    return _with_tasks(conn, jobs, with_specs)
 
 
-async def _with_tasks(
-    session: Session, jobs: Sequence[Row[Any]], with_specs: bool
-) -> list[job_pb2.Job]:
+def job_with_attempts(conn: Connection, job_id: int, with_specs: bool) -> job_pb2.Job | None:
+    """One job with its tasks and every task's attempts."""
+    jobs = job_messages(conn, [job_id], with_specs)
+    if not jobs:
+        return None
+    job = jobs[0]
+    attempts = conn.execute(JOB_ATTEMPTS, {"job_id": job_id}).all()
+    for row in sorted(attempts, key=lambda a: (a.task_id, a.attempt)):
+        if 0 <= row.task_id < len(job.tasks):
+            job.tasks[row.task_id].attempts.append(convert.attempt_message(row))
+    return job
+
+
+def _with_tasks(conn: Connection, jobs: Sequence[Row[Any]], with_specs: bool) -> list[job_pb2.Job]:
     tasks: dict[int, list[Row[Any]]] = {}
     if jobs:
         query = SELECT_TASKS if with_specs else SELECT_TASKS_NO_SPECS
-        for task in (await session.execute(query, {"ids": [j.id for j in jobs]})).all():
+        for task in conn.execute(query, {"ids": [j.id for j in jobs]}).all():
             tasks.setdefault(task._mapping["job_id"], []).append(task)
     return [convert.job_message(j, tasks.get(j._mapping["id"], []), with_specs) for j in jobs]
 
 
-async def _insert_events(session: Session, events: list[dict[str, Any]]) -> list[job_pb2.JobEvent]:
+def _insert_events(conn: Connection, events: list[dict[str, Any]]) -> list[job_pb2.JobEvent]:
     if not events:
         return []
-    ids = (await session.scalars(INSERT_EVENTS, events)).all()
+    ids = conn.scalars(INSERT_EVENTS, events).all()
     return [
         convert.event_message(convert.NewEvent(i, **values))
         for i, values in zip(ids, events, strict=True)
