@@ -6,7 +6,9 @@ replica), then:
   arrival times from one client and measures submit -> first launch (the job's
   STARTING event) p50/p99, and the SubmitJob round trip of that paced client;
 - one client submitting one job at a time, each after the previous answer:
-  the SubmitJob round trip p50/p99, and each process's CPU per job meanwhile;
+  the SubmitJob round trip p50/p99, each process's CPU per job meanwhile, and
+  the scheduler's own handling time of those calls, from its `mj_rpc_seconds`
+  histogram (`handling`: the "one SubmitJob, inside the scheduler" row);
   once through an asyncio channel (as the services call each other), once
   through the blocking channel `mj` uses (`sequential_submit_mj_client`, with
   this process's own CPU as "bench");
@@ -34,12 +36,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from results import record
-from system import LONG_SPEC, CpuMeter, channel, empty_server, running_system, summary
+from system import (
+    LONG_SPEC,
+    CpuMeter,
+    channel,
+    empty_server,
+    handling_time,
+    rpc_buckets,
+    running_system,
+    summary,
+)
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.common.channels import ClientSecurity, open_channel, open_sync_channel
-from services.stack import Stack
+from services.stack import Stack, free_port
 
 
 async def poisson(stack: Stack, jobs: int, gap: float, seed: int) -> dict[str, object]:
@@ -78,14 +89,17 @@ async def poisson(stack: Stack, jobs: int, gap: float, seed: int) -> dict[str, o
     }
 
 
-async def sequential(stack: Stack, jobs: int) -> dict[str, object]:
-    """One job at a time, each after the previous answer: the SubmitJob round trip, and
-    the CPU each process spent per job meanwhile (every job is admitted, launched and
-    reported RUNNING while the next ones are submitted)."""
+async def sequential(stack: Stack, jobs: int, metrics_port: int) -> dict[str, object]:
+    """One job at a time, each after the previous answer: the SubmitJob round trip, the
+    CPU each process spent per job meanwhile (every job is admitted, launched and
+    reported RUNNING while the next ones are submitted), and the scheduler's handling
+    time of the calls."""
     meter = CpuMeter(stack, bench=True)
+    before = rpc_buckets(metrics_port, "SubmitJob")
     async with channel(stack, stack.scheduler_address) as chan:
         times = await one_by_one(job_service_pb2_grpc.JobServiceStub(chan), jobs)
-    return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs)}
+    handling = handling_time(before, rpc_buckets(metrics_port, "SubmitJob"))
+    return {**summary(times, "ms"), "cpu_ms_per_job": meter.ms_per(jobs), "handling": handling}
 
 
 async def sequential_floor(jobs: int) -> dict[str, object]:
@@ -128,12 +142,17 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args()
     figures: dict[str, object] = {}
-    with tempfile.TemporaryDirectory() as tmp, running_system(Path(tmp)) as stack:
+    metrics_port = free_port()
+    scheduler_args = ["--metrics-port", str(metrics_port)]
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_system(Path(tmp), scheduler_args=scheduler_args) as stack,
+    ):
         for gap in (float(g) for g in args.gaps.split(",") if g):
             figures[f"submit_to_launch_gap_{gap:g}s"] = asyncio.run(
                 poisson(stack, args.jobs, gap, args.seed)
             )
-        figures["sequential_submit"] = asyncio.run(sequential(stack, args.sequential))
+        figures["sequential_submit"] = asyncio.run(sequential(stack, args.sequential, metrics_port))
         figures["sequential_submit_mj_client"] = sequential_blocking(stack, args.sequential)
     figures["sequential_floor"] = asyncio.run(sequential_floor(args.sequential))
     record("latency", {"jobs": args.jobs, **figures})

@@ -15,6 +15,7 @@ import multiprocessing
 import statistics
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -198,6 +199,58 @@ def summary(values: Sequence[float], unit: str) -> dict[str, float]:
         f"p50_{unit}": round(statistics.median(values), 2),
         f"p99_{unit}": round(percentile(values, 0.99), 2),
         f"max_{unit}": round(max(values), 2),
+    }
+
+
+def rpc_buckets(metrics_port: int, method: str) -> dict[float, float]:
+    """A service's `mj_rpc_seconds` histogram for `method` (calls answered OK), read from
+    its Prometheus endpoint: cumulative count per bucket's upper bound (seconds)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    buckets: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "mj_rpc_seconds":
+            continue
+        for sample in family.samples:
+            labels = sample.labels
+            ours = labels.get("method", "").endswith(method) and labels.get("code") == "OK"
+            if sample.name.endswith("_bucket") and ours:
+                bound = float(labels["le"])
+                buckets[bound] = buckets.get(bound, 0.0) + sample.value
+    return buckets
+
+
+def handling_time(before: dict[float, float], after: dict[float, float]) -> dict[str, object]:
+    """The server-side handling time of the calls between two readings of `rpc_buckets`:
+    their count, the share answered within each bucket, and p50/p99 interpolated within
+    their buckets (a histogram knows no finer)."""
+    counts = {bound: after[bound] - before.get(bound, 0.0) for bound in sorted(after)}
+    total = counts.get(float("inf"), 0.0)
+    if not total:
+        return {"calls": 0}
+
+    def quantile(q: float) -> float:
+        target, lower, below = q * total, 0.0, 0.0
+        for bound, cumulative in counts.items():
+            if cumulative >= target:
+                if bound == float("inf"):
+                    return lower * 1000
+                share = (target - below) / max(cumulative - below, 1e-9)
+                return (lower + (bound - lower) * share) * 1000
+            lower, below = bound, cumulative
+        return lower * 1000
+
+    return {
+        "calls": int(total),
+        "p50_ms": round(quantile(0.5), 2),
+        "p99_ms": round(quantile(0.99), 2),
+        "within_ms": {
+            f"{bound * 1000:g}": round(n / total, 4)
+            for bound, n in counts.items()
+            if bound != float("inf") and bound <= 0.01
+        },
     }
 
 

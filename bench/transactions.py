@@ -3,11 +3,11 @@
 Opens the scheduler's `Database` on a SQLite file of its own (migrated, as the
 scheduler runs it) and times, in one process, transactions that run a single
 `SELECT 1`, the best of several rounds, in CPU microseconds per transaction:
-- `urgent_write`: a client's write (`db.write(urgent=True)`: the writer's turn,
-  then BEGIN IMMEDIATE ... COMMIT on the event loop's thread);
-- `background_write`: a background write (`db.write()`: the same on the worker
-  thread, one trip per statement);
-- `read`: a read (`db.read()`, on the event loop's thread);
+- `client_write`: a client's write (`db.write(fn, client=True)`: the writer's
+  turn, then BEGIN IMMEDIATE ... COMMIT on the writer thread, one hop);
+- `background_write`: a background write (`db.write(fn)`: the same, in the
+  background's turn);
+- `read`: a read (`db.read(fn)`, on the event loop's thread);
 - `sqlite3_write`: BEGIN IMMEDIATE, the SELECT and COMMIT straight through the
   `sqlite3` module on the same file: SQLite's own share.
 A sequential client's job takes a few write transactions (its submission, its
@@ -17,7 +17,7 @@ Then `submission`: real submissions (`Store.submit`, a job of one task, as a
 client's `SubmitJob` stores it) one after another, their wall time p50/p99/max in
 ms, and how many checkpoints copied SQLite's log back meanwhile: every commit
 writes pages, so the log grows and is checkpointed every 100 commits
-(`services/scheduler/sqlite_checkpoint.py`).
+(`services/scheduler/db/sqlite.py`).
 Then `batches`: the batch paths, in CPU microseconds per job: `--batch` jobs
 (500) assigned to a replica in one move, their STARTING and RUNNING reports
 applied as one batch each (`Reports.apply`), and the jobs released from the
@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from machine import probe_filesystem
 from results import record
-from sqlalchemy import text
+from sqlalchemy import Connection, text
 from system import postgres_database, summary
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
@@ -83,9 +83,9 @@ async def submissions(db: Database, number: int) -> dict[str, object]:
     return {**summary(times, "ms"), "checkpoints": checkpoints}
 
 
-async def batches(url: str, size: int, rounds: int) -> dict[str, float]:
+async def batches(url: str, size: int, rounds: int, synchronous: str) -> dict[str, float]:
     """CPU per job of a move, two report batches and a release of `size` jobs at once."""
-    db = Database.open(url)
+    db = Database.open(url, sqlite_synchronous=synchronous)
     await db.migrate()
     store = Store(db, EventBus())
     reports = Reports(store)
@@ -103,7 +103,7 @@ async def batches(url: str, size: int, rounds: int) -> dict[str, float]:
             ]
             ids = [job_id for job_id, _ in await store.submit_many(new)]
             start = time.process_time()
-            moves, _ = await store.move_many(
+            moves = await store.move_many(
                 ids, ScheduleState.WAITING, ScheduleState.LAUNCHING, assign_to="c1"
             )
             cpu["move"] += time.process_time() - start
@@ -122,19 +122,23 @@ async def batches(url: str, size: int, rounds: int) -> dict[str, float]:
     return {f"{name}_cpu_us": round(total / rounds / size * 1e6, 1) for name, total in cpu.items()}
 
 
-async def measure(folder: Path, number: int, rounds: int, submitted: int) -> dict[str, object]:
-    db = Database.open(f"sqlite:///{folder}/bench.db")
+async def measure(
+    folder: Path, number: int, rounds: int, submitted: int, synchronous: str
+) -> dict[str, object]:
+    db = Database.open(f"sqlite:///{folder}/bench.db", sqlite_synchronous=synchronous)
     await db.migrate()
 
-    async def write(urgent: bool) -> None:
-        async with db.write(urgent) as session:
-            await session.execute(SELECT)
+    def select(conn: Connection) -> None:
+        conn.execute(SELECT)
+
+    async def write(client: bool) -> None:
+        await db.write(select, client=client)
 
     async def read() -> None:
-        async with db.read() as session:
-            await session.execute(SELECT)
+        await db.read(select)
 
     raw = sqlite3.connect(folder / "bench.db", isolation_level=None)
+    raw.execute(f"PRAGMA synchronous={synchronous.upper()}")
 
     async def sqlite3_write() -> None:
         raw.execute("BEGIN IMMEDIATE")
@@ -143,7 +147,8 @@ async def measure(folder: Path, number: int, rounds: int, submitted: int) -> dic
 
     try:
         return {
-            "urgent_write_cpu_us": await best_cpu_us(lambda: write(True), number, rounds),
+            "synchronous": synchronous,
+            "client_write_cpu_us": await best_cpu_us(lambda: write(True), number, rounds),
             "background_write_cpu_us": await best_cpu_us(lambda: write(False), number, rounds),
             "read_cpu_us": await best_cpu_us(read, number, rounds),
             "sqlite3_write_cpu_us": await best_cpu_us(sqlite3_write, number, rounds),
@@ -162,15 +167,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=500, help="jobs per batch")
     parser.add_argument("--batch-rounds", type=int, default=6)
     parser.add_argument("--postgres", default="", help="admin URL: batches on PostgreSQL too")
+    parser.add_argument("--sqlite-synchronous", default="full", choices=("full", "normal"))
     args = parser.parse_args()
+    sync = args.sqlite_synchronous
     with tempfile.TemporaryDirectory() as tmp:
         probe_filesystem(Path(tmp))
-        figures = asyncio.run(measure(Path(tmp), args.number, args.rounds, args.submissions))
+        figures = asyncio.run(measure(Path(tmp), args.number, args.rounds, args.submissions, sync))
         urls = {"sqlite": f"sqlite:///{tmp}/batches.db"}
         if args.postgres:
             urls["postgres"] = postgres_database(args.postgres)
         figures["batches"] = {
-            kind: asyncio.run(batches(url, args.batch, args.batch_rounds))
+            kind: asyncio.run(batches(url, args.batch, args.batch_rounds, sync))
             for kind, url in urls.items()
         }
     record("transactions", figures)
