@@ -79,8 +79,12 @@ class JobServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SubmitJobs(self, request, context):
-        """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
-        job by its index, e.g. `jobs[3].resources.cpus`).
+        """Validates and stores up to 1,000 jobs at once, in one transaction: an OK answer means
+        every job is stored; a refused spec (INVALID_ARGUMENT, naming the job by its index, e.g.
+        `jobs[3].resources.cpus`) or a database failure before the commit (UNAVAILABLE, "nothing
+        was changed") means none is. UNAVAILABLE saying the call "may or may not have taken
+        effect" means the commit's answer was lost: retry with the same idempotency keys, which
+        answer with the jobs already stored instead of storing them again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -36,8 +36,12 @@ class JobServiceStub:
     SubmitJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobRequest, _job_service_pb2.SubmitJobResponse]
     """Validates and stores a job; with an idempotency key, a repeat returns the first job's id."""
     SubmitJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobsRequest, _job_service_pb2.SubmitJobsResponse]
-    """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
-    job by its index, e.g. `jobs[3].resources.cpus`).
+    """Validates and stores up to 1,000 jobs at once, in one transaction: an OK answer means
+    every job is stored; a refused spec (INVALID_ARGUMENT, naming the job by its index, e.g.
+    `jobs[3].resources.cpus`) or a database failure before the commit (UNAVAILABLE, "nothing
+    was changed") means none is. UNAVAILABLE saying the call "may or may not have taken
+    effect" means the commit's answer was lost: retry with the same idempotency keys, which
+    answer with the jobs already stored instead of storing them again.
     """
     GetJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]
     ListJobs: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]
@@ -55,8 +59,12 @@ class JobServiceAsyncStub(JobServiceStub):
     SubmitJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobRequest, _job_service_pb2.SubmitJobResponse]  # type: ignore[assignment]
     """Validates and stores a job; with an idempotency key, a repeat returns the first job's id."""
     SubmitJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.SubmitJobsRequest, _job_service_pb2.SubmitJobsResponse]  # type: ignore[assignment]
-    """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
-    job by its index, e.g. `jobs[3].resources.cpus`).
+    """Validates and stores up to 1,000 jobs at once, in one transaction: an OK answer means
+    every job is stored; a refused spec (INVALID_ARGUMENT, naming the job by its index, e.g.
+    `jobs[3].resources.cpus`) or a database failure before the commit (UNAVAILABLE, "nothing
+    was changed") means none is. UNAVAILABLE saying the call "may or may not have taken
+    effect" means the commit's answer was lost: retry with the same idempotency keys, which
+    answer with the jobs already stored instead of storing them again.
     """
     GetJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetJobRequest, _job_service_pb2.GetJobResponse]  # type: ignore[assignment]
     ListJobs: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ListJobsRequest, _job_service_pb2.ListJobsResponse]  # type: ignore[assignment]
@@ -83,8 +91,12 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _job_service_pb2.SubmitJobsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.SubmitJobsResponse, _abc.Awaitable[_job_service_pb2.SubmitJobsResponse]]:
-        """Validates and stores up to 1,000 jobs at once: all of them, or none (the error names the
-        job by its index, e.g. `jobs[3].resources.cpus`).
+        """Validates and stores up to 1,000 jobs at once, in one transaction: an OK answer means
+        every job is stored; a refused spec (INVALID_ARGUMENT, naming the job by its index, e.g.
+        `jobs[3].resources.cpus`) or a database failure before the commit (UNAVAILABLE, "nothing
+        was changed") means none is. UNAVAILABLE saying the call "may or may not have taken
+        effect" means the commit's answer was lost: retry with the same idempotency keys, which
+        answer with the jobs already stored instead of storing them again.
         """
 
     @_abc_1.abstractmethod
