@@ -32,7 +32,6 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -64,6 +63,7 @@ from reliability import (
     system,
 )
 from soak import SoakConfig, run_soak
+from waiting import wait_until
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_service_pb2 as pb
@@ -108,15 +108,6 @@ def recovered_after(events: EventLog, job_id: int, event_id: int) -> bool:
     return any(e.status == JobStatus.RECOVERING for e in later) and running_and_watched(
         events, job_id
     )
-
-
-def wait_until(what: str, predicate: Callable[[], bool], timeout: float) -> None:
-    """Polls `predicate` (for state only a query shows) until it holds or the timeout."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
-        time.sleep(0.1)
 
 
 def last_event_id(db: Database) -> int:
@@ -181,7 +172,11 @@ def test_paused_replica_acts_on_nothing_with_its_stale_epochs(
                 }
                 return all(running.get(now[j][0] or "", {}).get(j) == now[j][1] for j in held)
 
-            wait_until("the new holders run the jobs at the new epochs", new_holders_run_them, 20)
+            wait_until(
+                new_holders_run_them,
+                what="the new holders to run the jobs at the new epochs",
+                within=20,
+            )
             # RUNNING tasks are watched again, not relaunched.
             assert s.events.wait_for(
                 lambda: all(running_and_watched(s.events, j) for j in held), 30
@@ -210,7 +205,9 @@ def test_paused_replica_acts_on_nothing_with_its_stale_epochs(
             state = s.client.controller_state(victim)
             return state.connected and not any(held.get(j.job_id) == j.epoch for j in state.jobs)
 
-        wait_until("the resumed replica stops acting for its old epochs", victim_let_go, 30)
+        wait_until(
+            victim_let_go, what="the resumed replica to stop acting for its old epochs", within=30
+        )
         s.client.cancel_all()
         assert not s.events.wait_done(ids, 90, s.client)
 
@@ -364,7 +361,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
         assert s.db.idempotency("reliability") == (total, total)
 
         # Replicas reconnect and re-announce their jobs: none of them moved.
-        wait_until("every replica is connected again", all_connected, ttl + 10)
+        wait_until(all_connected, what="every replica to be connected again", within=ttl + 10)
         assigned = {j.job_id: (j.controller_id, j.schedule_state) for j in listed}
         epochs = s.db.assignments(j for j, (c, _) in assigned.items() if c)
         moved = {j: e for j, (_, e) in epochs.items() if e != 1}
@@ -388,7 +385,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
             )
 
         try:
-            wait_until("the counters equal the recount", settled, 60)
+            wait_until(settled, what="the counters to equal the recount", within=60)
         except AssertionError as error:
             drift = describe(counter_drift(seen[-1])) or "no drift"
             raise AssertionError(f"{error}: {drift}; recount {dict(seen[-1].recount)}") from None
@@ -456,7 +453,9 @@ def test_database_outage_is_ridden_out(tmp_path: Path, admin_url: str) -> None:
         returned = time.time()
         returned_mono = time.monotonic()
         wait_until(
-            "the scheduler is SERVING again", lambda: s.client.health(scheduler) == SERVING, 30
+            lambda: s.client.health(scheduler) == SERVING,
+            what="the scheduler to be SERVING again",
+            within=30,
         )
         serving_again = time.monotonic() - returned_mono
         resumed = s.events.wait_for(
