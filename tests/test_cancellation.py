@@ -3,11 +3,17 @@
 Each row starts a job through `run_job`, waits until the job is in the phase
 named by the row (waiting for a grant, launching, backing off, running,
 recovering, cleaning up), requests the cancel, and asserts:
-- the job ended, cleanup included, within 1 s of the request, and its CANCELLED
-  report came within 1 s too;
+- the job ended, cleanup included, although what it was waiting for would never
+  have come (a grant never given, a launch or a relaunch that never finishes, an
+  hour's backoff, a task that runs for ever): the cancel interrupted the wait;
+- from the cancel to the end the lifecycle slept on no timer: nothing stood
+  between the request and the CANCELLED report but the cleanup itself;
 - the exact statuses: the task in flight went CANCELLING then CANCELLED, tasks
   that never ran went straight to CANCELLED, finished tasks kept their status;
 - the sim cloud's inventory shows every cluster of the job terminated.
+
+How long a cancel takes (contract §15: p99 <= 1 s) is measured by
+`bench/cancel.py`, on the whole system.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from typing import Any
 
 import pytest
 from lifecycle_harness import (
+    DEADLINE,
     REGIONS,
     BlockingTerminate,
     Hooks,
@@ -33,6 +40,7 @@ from lifecycle_harness import (
     prelaunch,
     start_job,
 )
+from waiting import wait_for
 
 from services.backends import Backend
 from services.common.statuses import JobStatus
@@ -70,7 +78,7 @@ async def launch_in_flight(job: RunningJob, clusters: int = 1) -> None:
         inventory = await job.world.inventory(job.job_id)
         return len(inventory) == clusters and not inventory[-1].HasField("up_time")
 
-    await job.world.until(provisioning, f"cluster {clusters} to be provisioning")
+    await wait_for(provisioning, what=f"cluster {clusters} to be provisioning", every=0.005)
 
 
 async def relaunch_in_flight(job: RunningJob) -> None:
@@ -81,7 +89,7 @@ async def backing_off(job: RunningJob) -> None:
     async def released() -> bool:
         return any(r.startswith("backing off") for r in job.host.slot.releases)
 
-    await job.world.until(released, "a backoff")
+    await wait_for(released, what="a backoff", every=0.005)
 
 
 async def watching(job: RunningJob) -> None:
@@ -198,7 +206,7 @@ PHASES = [
 
 
 @pytest.mark.parametrize("phase", PHASES, ids=[p.id for p in PHASES])
-async def test_cancel_takes_effect_within_a_second(world: World, phase: Phase) -> None:
+async def test_a_cancel_interrupts_every_phase_at_once(world: World, phase: Phase) -> None:
     job_id = world.next_job_id()
     wrap = None
     if phase.wrap:
@@ -228,16 +236,15 @@ async def test_cancel_takes_effect_within_a_second(world: World, phase: Phase) -
             for _ in range(phase.cancels - 1):
                 running.request_cancel()
             blocker.release.set()
-        ended = await running.finished(timeout=5)
+        await running.finished(timeout=DEADLINE)
     finally:
         await running.stop()
     host = running.host
-    assert ended - running.cancelled_at < 1.0
+    after = host.timeline[host.timeline.index(("cancel",)) :]
+    assert not [step for step in after if step[0] == "slept"], after
     statuses = [tuple(host.statuses(task_id)) for task_id in range(len(phase.statuses))]
     assert statuses == list(phase.statuses)
-    for report in host.reports:
-        if report.status == CANCELLED:
-            assert report.at - running.cancelled_at < 1.0
+    assert ("report", str(len(phase.statuses) - 1), "CANCELLED") in after, after
     assert not host.slot.held
     inventory = await world.inventory(job_id)
     assert len(inventory) == phase.clusters
