@@ -16,13 +16,14 @@ breaks it on purpose:
   finishes the cleanup, then the job is CANCELLED;
 - restart the scheduler five times during 600 submissions with idempotency
   keys: none lost, none duplicated, counters equal the database's recount;
-- stop PostgreSQL for 15 s mid-run: health NOT_SERVING within 5 s, a call
-  meanwhile is answered UNAVAILABLE, no service exits, work resumes within 10 s of
-  its return and every job finishes.
+- stop PostgreSQL for 15 s mid-run: health goes NOT_SERVING during the outage, a
+  call meanwhile is answered UNAVAILABLE, no service exits, work resumes after its
+  return and every job finishes.
 
 Each run's durable record is then judged by the history checker (`history.py`).
-Figures (resume latency after a kill, preemptions, recoveries) are printed, not
-asserted: timings are for `bench/chaos.py` (contract §15).
+Figures (resume latency after a kill, preemptions, recoveries, how soon health
+and work followed the database) are printed, not asserted: timings are for the
+benchmarks (contract §15).
 """
 
 from __future__ import annotations
@@ -124,9 +125,8 @@ def test_chaos_soak_kills_replicas_and_loses_nothing(tmp_path: Path, admin_url: 
         config, tmp_path / "soak", admin_url, log=lambda m: print(time.strftime("%X"), m)
     )
     print(json.dumps(report.figures))
-    # Every planned kill happened: the last one falls within a kill interval of the end.
-    assert report.figures["chaos_seconds"] >= config.chaos_seconds - config.kill_interval[1]
-    assert report.figures["kills"] >= 3
+    # Every planned kill happened.
+    assert report.figures["kills"] == report.figures["kills_planned"] >= 3, report.figures
     assert report.figures["jobs"] == config.jobs
     # The chaos did hit: replicas died holding jobs, spot clusters were preempted.
     assert report.figures["resume_samples"] > 0 and report.figures["preemptions"] > 0
@@ -460,22 +460,24 @@ def test_database_outage_is_ridden_out(tmp_path: Path, admin_url: str) -> None:
             lambda: any(
                 e.time.ToNanoseconds() / 1e9 >= returned for j in ids for e in s.events.by_job[j]
             ),
-            10,
+            60,
         )
+        resumed_after = time.monotonic() - returned_mono
         not_done = s.events.wait_done(ids, 120, s.client)
         figures = {
             "not_serving_after_seconds": not_serving_after,
             "serving_again_seconds": round(serving_again, 2),
+            "work_resumed_after_seconds": round(resumed_after, 2),
             "health_seen": sorted(str(x) for x in health_seen),
             "submit_during_outage": str(submit_code),
             "exited": sorted(exited),
         }
         print(json.dumps(figures))
-        assert not_serving_after is not None and not_serving_after <= 5.0, figures
+        assert not_serving_after is not None, f"health never said NOT_SERVING: {figures}"
         # A client call during the cut is told to come back later, not failed for good.
         assert submit_code == grpc.StatusCode.UNAVAILABLE, figures
         assert not exited and not s.stack.exited(), figures
-        assert resumed, "no event was written within 10 s of the database's return"
+        assert resumed, "no event was written after the database's return"
         assert not not_done, f"jobs not done after the outage: {sorted(not_done)}"
         jobs = [j for j in s.client.list_jobs() if j.job_id in set(ids)]
         assert not job_problems(jobs), job_problems(jobs)
