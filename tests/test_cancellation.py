@@ -18,7 +18,6 @@ How long a cancel takes (contract §15: p99 <= 1 s) is measured by
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,7 +39,7 @@ from lifecycle_harness import (
     prelaunch,
     start_job,
 )
-from waiting import wait_for
+from waiting import reached, wait_for
 
 from services.backends import Backend
 from services.common.statuses import JobStatus
@@ -68,7 +67,7 @@ async def world() -> AsyncIterator[World]:
 
 
 async def slot_requested(job: RunningJob) -> None:
-    await asyncio.wait_for(job.host.slot.waiting.wait(), 5)
+    await reached(job.host.slot.waiting.wait(), what="the launch slot to be requested")
 
 
 async def launch_in_flight(job: RunningJob, clusters: int = 1) -> None:
@@ -93,11 +92,12 @@ async def backing_off(job: RunningJob) -> None:
 
 
 async def watching(job: RunningJob) -> None:
-    await asyncio.wait_for(job.host.watching.wait(), 5)
+    await reached(job.host.watching.wait(), what="the watch to wait for news")
 
 
 async def cleanup_holding(job: RunningJob) -> None:
-    await asyncio.wait_for(layer(job.host.recorder, BlockingTerminate).entered.wait(), 5)
+    blocker = layer(job.host.recorder, BlockingTerminate)
+    await reached(blocker.entered.wait(), what="a teardown to be under way")
 
 
 async def slow_launches(world: World) -> None:
@@ -232,7 +232,7 @@ async def test_a_cancel_interrupts_every_phase_at_once(world: World, phase: Phas
         with contextlib.suppress(LookupError):
             # Hold the cleanup, request the later cancels meanwhile, then let it go on.
             blocker = layer(running.host.recorder, BlockingTerminate)
-            await asyncio.wait_for(blocker.entered.wait(), 5)
+            await reached(blocker.entered.wait(), what="the cleanup's teardown")
             for _ in range(phase.cancels - 1):
                 running.request_cancel()
             blocker.release.set()
