@@ -8,7 +8,11 @@
   the logs were readable before teardown), and a launch slot that is granted at
   once or only when the test says so. Its `watch` and `look` use a
   `ClusterWatch` fed by the backend's event stream, as on a replica; with a
-  backend that cannot push, the watch polls in batches.
+  backend that cannot push, the watch polls in batches. One timeline orders the
+  reports, log fetches, terminations, the injected sleeps that ran to their end
+  and the cancel, and each report counts the backend calls made for news before
+  it: tests assert the order of events and what was asked, never how long
+  anything took.
 - Backend wrappers (`Recorder` and friends): shipped `Backend` classes around the
   real sim backend that record launches and terminations, or bend one behaviour
   (no push, a task that never starts, an unknown task status, a terminate that
@@ -167,15 +171,6 @@ class World:
 
     async def inject(self, **faults: Any) -> None:
         await self.operator.InjectFaults(spb.InjectFaultsRequest(**faults))
-
-    async def until(
-        self, condition: Callable[[], Awaitable[bool]], what: str, timeout: float = DEADLINE
-    ) -> None:
-        """Polls `condition` until it holds; fails the test after `timeout`."""
-        deadline = asyncio.get_running_loop().time() + timeout
-        while not await condition():
-            assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.005)
 
 
 # --- backends: the real one, recorded, and bent in one way each ---------------------------------
@@ -554,8 +549,8 @@ class Report:
     status: JobStatus
     message: str
     fields: dict[str, Any]
-    # Event-loop time of the report.
-    at: float
+    # Backend calls made for news of clusters before the report (`ClusterWatch.observe_calls`).
+    looks: int
 
 
 Hook = Callable[["World", "Host"], Coroutine[Any, Any, None]]
@@ -624,8 +619,8 @@ class Host:
         self.fetched: list[tuple[int, str, bytes, bool]] = []
         self.current = {t.task_id: S(t.status) for t in job.tasks}
         self.watching = asyncio.Event()
-        # Event-loop times of what the hooks did, for latency checks.
-        self.marks: dict[str, float] = {}
+        # Backend calls made for news of clusters when a hook acted (see `Report.looks`).
+        self.marks: dict[str, int] = {}
         self.background: list[asyncio.Task[None]] = []
         self._fired: set[str] = set()
 
@@ -653,8 +648,7 @@ class Host:
         if not task_transition_allowed(old, status):
             raise ValueError(f"task {task_id}: {old.name} -> {status.name} is not allowed")
         self.current[task_id] = status
-        now = asyncio.get_running_loop().time()
-        self.reports.append(Report(task_id, status, message, dict(fields), now))
+        self.reports.append(Report(task_id, status, message, dict(fields), self.hub.observe_calls))
         self.timeline.append(("report", str(task_id), status.name))
         if status == S.RUNNING and (hook := self._once("running", self.hooks.at_running)):
             await hook(self.world, self)
@@ -688,10 +682,12 @@ class Host:
             self.background.append(asyncio.create_task(hook(self.world, self)))
 
     async def grace_sleep(self, delay: float, grace: float) -> None:
-        """The injected sleep: runs the grace hook inside the grace period."""
+        """The injected sleep: runs the grace hook inside the grace period; a sleep that
+        ran to its end joins the timeline."""
         if delay == grace and (hook := self._once("grace", self.hooks.at_grace)):
             await hook(self.world, self)
         await asyncio.sleep(delay)
+        self.timeline.append(("slept", f"{delay:g}"))
 
     # --- what the test reads ---
 
@@ -718,24 +714,23 @@ class RunningJob:
         self.cancel = CancelRequest()
         self.task = asyncio.create_task(run_job(lifecycle, self.cancel))
         self.reason: str | None = None
-        self.cancelled_at = 0.0
 
     @property
     def job_id(self) -> int:
         return self.host.job_id
 
     def request_cancel(self) -> None:
-        self.cancelled_at = asyncio.get_running_loop().time()
+        """Requests the cancel, marked in the timeline."""
+        self.host.timeline.append(("cancel",))
         self.cancel.set()
 
-    async def finished(self, timeout: float = DEADLINE) -> float:
-        """Waits for the job (cleanup included) to end; returns when, in event-loop time.
+    async def finished(self, timeout: float = DEADLINE) -> None:
+        """Waits for the job (cleanup included) to end.
 
         Re-raises what the job or a background hook raised; a job still running after
         `timeout` fails the test with the end of its lifecycle log.
         """
         done, _ = await asyncio.wait({self.task}, timeout=timeout)
-        ended = asyncio.get_running_loop().time()
         try:
             if not done:
                 log = "\n".join(self.host.notes[-40:])
@@ -745,7 +740,6 @@ class RunningJob:
                 await asyncio.wait_for(task, DEADLINE)
         finally:
             await self.stop()
-        return ended
 
     async def stop(self) -> None:
         """Ends whatever is left of the job (idempotent)."""

@@ -2,39 +2,22 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import shutil
 import tempfile
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import psutil
+from waiting import wait_for as wait_for  # the local backend's tests wait with it
 
 from services.backends import ClusterHandle, Observation, TaskRequest, TaskStatus
 from services.backends.local import LocalBackend
 from services.backends.local_cluster import cluster_processes
-
-T = TypeVar("T")
-
-
-async def wait_for(
-    probe: Callable[[], Awaitable[T]], *, within: float = 10.0, what: str = "condition"
-) -> T:
-    """Polls `probe` until it returns something truthy; fails after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last value {value!r})")
-        await asyncio.sleep(0.02)
 
 
 async def wait_task(backend: LocalBackend, handle: ClusterHandle, status: TaskStatus) -> None:

@@ -76,7 +76,6 @@ from services.stack import Service, Stack
 T = TypeVar("T")
 
 ADMIN_URL = os.environ.get("MJ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test")
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 USER = "reliability"
 REGIONS = ("us-east-1", "us-west-2", "eu-west-1")
 ACTIVE_STATUSES = tuple(s for s in JobStatus if s not in TERMINAL)

@@ -219,6 +219,7 @@ def run_soak(
         duration = time.monotonic() - started
         report = analyse_soak(config, s.stack, s.client, s.db, chaos, workload, not_done)
         report.figures["chaos_seconds"] = round(chaos_seconds, 1)
+        report.figures["kills_planned"] = len(kills)
         report.figures["duration_seconds"] = round(duration, 1)
         report.figures["watch_reconnects"] = s.events.reconnects
         return report

@@ -3,16 +3,21 @@
 Each row starts a job through `run_job`, waits until the job is in the phase
 named by the row (waiting for a grant, launching, backing off, running,
 recovering, cleaning up), requests the cancel, and asserts:
-- the job ended, cleanup included, within 1 s of the request, and its CANCELLED
-  report came within 1 s too;
+- the job ended, cleanup included, although what it was waiting for would never
+  have come (a grant never given, a launch or a relaunch that never finishes, an
+  hour's backoff, a task that runs for ever): the cancel interrupted the wait;
+- from the cancel to the end the lifecycle slept on no timer: nothing stood
+  between the request and the CANCELLED report but the cleanup itself;
 - the exact statuses: the task in flight went CANCELLING then CANCELLED, tasks
   that never ran went straight to CANCELLED, finished tasks kept their status;
 - the sim cloud's inventory shows every cluster of the job terminated.
+
+How long a cancel takes (contract §15: p99 <= 1 s) is measured by
+`bench/cancel.py`, on the whole system.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +25,7 @@ from typing import Any
 
 import pytest
 from lifecycle_harness import (
+    DEADLINE,
     REGIONS,
     BlockingTerminate,
     Hooks,
@@ -33,6 +39,7 @@ from lifecycle_harness import (
     prelaunch,
     start_job,
 )
+from waiting import reached, wait_for
 
 from services.backends import Backend
 from services.common.statuses import JobStatus
@@ -60,7 +67,7 @@ async def world() -> AsyncIterator[World]:
 
 
 async def slot_requested(job: RunningJob) -> None:
-    await asyncio.wait_for(job.host.slot.waiting.wait(), 5)
+    await reached(job.host.slot.waiting.wait(), what="the launch slot to be requested")
 
 
 async def launch_in_flight(job: RunningJob, clusters: int = 1) -> None:
@@ -70,7 +77,7 @@ async def launch_in_flight(job: RunningJob, clusters: int = 1) -> None:
         inventory = await job.world.inventory(job.job_id)
         return len(inventory) == clusters and not inventory[-1].HasField("up_time")
 
-    await job.world.until(provisioning, f"cluster {clusters} to be provisioning")
+    await wait_for(provisioning, what=f"cluster {clusters} to be provisioning", every=0.005)
 
 
 async def relaunch_in_flight(job: RunningJob) -> None:
@@ -81,15 +88,16 @@ async def backing_off(job: RunningJob) -> None:
     async def released() -> bool:
         return any(r.startswith("backing off") for r in job.host.slot.releases)
 
-    await job.world.until(released, "a backoff")
+    await wait_for(released, what="a backoff", every=0.005)
 
 
 async def watching(job: RunningJob) -> None:
-    await asyncio.wait_for(job.host.watching.wait(), 5)
+    await reached(job.host.watching.wait(), what="the watch to wait for news")
 
 
 async def cleanup_holding(job: RunningJob) -> None:
-    await asyncio.wait_for(layer(job.host.recorder, BlockingTerminate).entered.wait(), 5)
+    blocker = layer(job.host.recorder, BlockingTerminate)
+    await reached(blocker.entered.wait(), what="a teardown to be under way")
 
 
 async def slow_launches(world: World) -> None:
@@ -198,7 +206,7 @@ PHASES = [
 
 
 @pytest.mark.parametrize("phase", PHASES, ids=[p.id for p in PHASES])
-async def test_cancel_takes_effect_within_a_second(world: World, phase: Phase) -> None:
+async def test_a_cancel_interrupts_every_phase_at_once(world: World, phase: Phase) -> None:
     job_id = world.next_job_id()
     wrap = None
     if phase.wrap:
@@ -224,20 +232,19 @@ async def test_cancel_takes_effect_within_a_second(world: World, phase: Phase) -
         with contextlib.suppress(LookupError):
             # Hold the cleanup, request the later cancels meanwhile, then let it go on.
             blocker = layer(running.host.recorder, BlockingTerminate)
-            await asyncio.wait_for(blocker.entered.wait(), 5)
+            await reached(blocker.entered.wait(), what="the cleanup's teardown")
             for _ in range(phase.cancels - 1):
                 running.request_cancel()
             blocker.release.set()
-        ended = await running.finished(timeout=5)
+        await running.finished(timeout=DEADLINE)
     finally:
         await running.stop()
     host = running.host
-    assert ended - running.cancelled_at < 1.0
+    after = host.timeline[host.timeline.index(("cancel",)) :]
+    assert not [step for step in after if step[0] == "slept"], after
     statuses = [tuple(host.statuses(task_id)) for task_id in range(len(phase.statuses))]
     assert statuses == list(phase.statuses)
-    for report in host.reports:
-        if report.status == CANCELLED:
-            assert report.at - running.cancelled_at < 1.0
+    assert ("report", str(len(phase.statuses) - 1), "CANCELLED") in after, after
     assert not host.slot.held
     inventory = await world.inventory(job_id)
     assert len(inventory) == phase.clusters

@@ -10,6 +10,7 @@ import io
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -818,11 +819,20 @@ def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None
         "MJ_DATA_DIR": str(data),
         "MJ_TOKEN": "",
     }
-    launch = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "launch", str(spec), "--detach"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    time.sleep(0.5)  # the first attempts find nothing listening
+    # Until mj's first attempt, the port has a listener that hangs up on it, as on a
+    # scheduler not up yet; only then does the scheduler start.
+    with socket.create_server(("127.0.0.1", port)) as early:
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "launch", str(spec), "--detach"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        early.settimeout(30)
+        try:
+            first_attempt, _ = early.accept()
+        except TimeoutError:
+            launch.kill()
+            raise AssertionError(f"mj launch never called: {launch.communicate()}") from None
+        first_attempt.close()
     scheduler = subprocess.Popen(
         [sys.executable, "-m", "services.scheduler.main", "--port", str(port),
          "--data-dir", str(tmp_path / "data")],

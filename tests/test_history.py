@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from faults import EPISODES, FaultKind
 from history_run import CI_FAULTS, RunConfig, plan, run_history
-from reliability import ADMIN_URL, IN_CI, PostgresServer, judge
+from prerequisites import missing
+from reliability import ADMIN_URL, PostgresServer, judge
 from workload import Cancel
 
 # Two seeds keep the suite within its budget; `bench/history.py` runs as many as asked.
@@ -72,9 +73,7 @@ def admin_url(postgres_base: str) -> str:
     server = PostgresServer()
     reason = server.why_unavailable()
     if reason:
-        if IN_CI:
-            pytest.fail(f"the fault run cuts PostgreSQL, which it cannot here: {reason}")
-        pytest.skip(reason)
+        missing(f"the fault run cuts PostgreSQL, which it cannot here: {reason}")
     return ADMIN_URL
 
 

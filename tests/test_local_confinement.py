@@ -1,11 +1,11 @@
 """User code on the local backend is confined (contract §14 "User code").
 
-The tests that change users need root, as CI runs them; elsewhere they skip.
+The tests that change users need root, as CI runs them: without it they fail
+under CI=true and skip elsewhere.
 """
 
 from __future__ import annotations
 
-import os
 import pwd
 import re
 import subprocess
@@ -24,11 +24,18 @@ from local_clusters import (
     wait_end,
     wait_for,
 )
+from prerequisites import require_root
 
 from services.backends import PrecheckError, ResourcesUnavailableError, TaskStatus
 from services.backends.local import LocalBackend
 
-as_root = pytest.mark.skipif(os.geteuid() != 0, reason="changing users needs root")
+
+@pytest.fixture
+def root() -> None:
+    require_root("changing users")
+
+
+as_root = pytest.mark.usefixtures("root")
 
 
 @pytest.fixture

@@ -96,17 +96,29 @@ async def test_terminate_kills_ranks_that_ignore_sigterm_once_the_grace_ran_out(
 ) -> None:
     caplog.set_level(logging.INFO, logger="services.backends.local")
     sleep, marker = unique_sleep()
-    run = f"trap 'echo ignored > {shared}/marker' TERM; echo ready; while :; do {sleep}; done"
+    said = shared / "marker"
+    # Past SIGTERM the rank waits for the test's go, says it still runs, and runs on.
+    run = (
+        f"trap 'echo ignored >> {said}' TERM; echo ready\n"
+        f"until [ -e {shared}/go ]; do sleep 0.02; done\n"
+        f"echo running after SIGTERM >> {said}\n"
+        f"while :; do {sleep}; done\n"
+    )
     handle = await backend.launch(request("stubborn", run=run))
     await wait_logs(backend, handle, b"ready")
-    await wait_for(lambda: sleeps_running(marker), what="the sleep")
     cluster_dir = backend.layout("stubborn").dir
 
-    started = time.monotonic()
-    await backend.terminate(handle, grace=2.0)
+    async def saying(text: str) -> bool:
+        return said.exists() and said.read_text() == text
 
-    assert time.monotonic() - started >= 2.0, "the grace is given in full"
-    assert (shared / "marker").read_text() == "ignored\n"
+    stopping = asyncio.create_task(backend.terminate(handle, grace=2.0))
+    await wait_for(lambda: saying("ignored\n"), what="SIGTERM to reach the rank")
+    (shared / "go").touch()
+    await wait_for(lambda: saying("ignored\nrunning after SIGTERM\n"), what="the rank to run on")
+    await wait_for(lambda: sleeps_running(marker), what="the rank's sleep after SIGTERM")
+    assert not stopping.done(), "terminate ended while the grace still ran"
+    await stopping
+
     assert "ranks outlived the 2.0s grace; sent SIGKILL" in caplog.text
     assert not processes_with(marker) and not cluster_processes(cluster_dir)
     assert not await backend.cluster_exists("stubborn")

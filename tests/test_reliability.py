@@ -16,13 +16,14 @@ breaks it on purpose:
   finishes the cleanup, then the job is CANCELLED;
 - restart the scheduler five times during 600 submissions with idempotency
   keys: none lost, none duplicated, counters equal the database's recount;
-- stop PostgreSQL for 15 s mid-run: health NOT_SERVING within 5 s, a call
-  meanwhile is answered UNAVAILABLE, no service exits, work resumes within 10 s of
-  its return and every job finishes.
+- stop PostgreSQL for 15 s mid-run: health goes NOT_SERVING during the outage, a
+  call meanwhile is answered UNAVAILABLE, no service exits, work resumes after its
+  return and every job finishes.
 
 Each run's durable record is then judged by the history checker (`history.py`).
-Figures (resume latency after a kill, preemptions, recoveries) are printed, not
-asserted: timings are for `bench/chaos.py` (contract §15).
+Figures (resume latency after a kill, preemptions, recoveries, how soon health
+and work followed the database) are printed, not asserted: timings are for the
+benchmarks (contract §15).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import concurrent.futures
 import json
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -45,9 +45,9 @@ from history import (
     describe,
     expected_counters,
 )
+from prerequisites import missing
 from reliability import (
     ADMIN_URL,
-    IN_CI,
     NOT_SERVING,
     SERVING,
     Database,
@@ -64,6 +64,7 @@ from reliability import (
     system,
 )
 from soak import SoakConfig, run_soak
+from waiting import wait_until
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_service_pb2 as pb
@@ -110,15 +111,6 @@ def recovered_after(events: EventLog, job_id: int, event_id: int) -> bool:
     )
 
 
-def wait_until(what: str, predicate: Callable[[], bool], timeout: float) -> None:
-    """Polls `predicate` (for state only a query shows) until it holds or the timeout."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting until {what}")
-        time.sleep(0.1)
-
-
 def last_event_id(db: Database) -> int:
     return max((e.event_id for e in db.events()), default=0)
 
@@ -133,9 +125,8 @@ def test_chaos_soak_kills_replicas_and_loses_nothing(tmp_path: Path, admin_url: 
         config, tmp_path / "soak", admin_url, log=lambda m: print(time.strftime("%X"), m)
     )
     print(json.dumps(report.figures))
-    # Every planned kill happened: the last one falls within a kill interval of the end.
-    assert report.figures["chaos_seconds"] >= config.chaos_seconds - config.kill_interval[1]
-    assert report.figures["kills"] >= 3
+    # Every planned kill happened.
+    assert report.figures["kills"] == report.figures["kills_planned"] >= 3, report.figures
     assert report.figures["jobs"] == config.jobs
     # The chaos did hit: replicas died holding jobs, spot clusters were preempted.
     assert report.figures["resume_samples"] > 0 and report.figures["preemptions"] > 0
@@ -181,7 +172,11 @@ def test_paused_replica_acts_on_nothing_with_its_stale_epochs(
                 }
                 return all(running.get(now[j][0] or "", {}).get(j) == now[j][1] for j in held)
 
-            wait_until("the new holders run the jobs at the new epochs", new_holders_run_them, 20)
+            wait_until(
+                new_holders_run_them,
+                what="the new holders to run the jobs at the new epochs",
+                within=20,
+            )
             # RUNNING tasks are watched again, not relaunched.
             assert s.events.wait_for(
                 lambda: all(running_and_watched(s.events, j) for j in held), 30
@@ -210,7 +205,9 @@ def test_paused_replica_acts_on_nothing_with_its_stale_epochs(
             state = s.client.controller_state(victim)
             return state.connected and not any(held.get(j.job_id) == j.epoch for j in state.jobs)
 
-        wait_until("the resumed replica stops acting for its old epochs", victim_let_go, 30)
+        wait_until(
+            victim_let_go, what="the resumed replica to stop acting for its old epochs", within=30
+        )
         s.client.cancel_all()
         assert not s.events.wait_done(ids, 90, s.client)
 
@@ -364,7 +361,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
         assert s.db.idempotency("reliability") == (total, total)
 
         # Replicas reconnect and re-announce their jobs: none of them moved.
-        wait_until("every replica is connected again", all_connected, ttl + 10)
+        wait_until(all_connected, what="every replica to be connected again", within=ttl + 10)
         assigned = {j.job_id: (j.controller_id, j.schedule_state) for j in listed}
         epochs = s.db.assignments(j for j, (c, _) in assigned.items() if c)
         moved = {j: e for j, (_, e) in epochs.items() if e != 1}
@@ -388,7 +385,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
             )
 
         try:
-            wait_until("the counters equal the recount", settled, 60)
+            wait_until(settled, what="the counters to equal the recount", within=60)
         except AssertionError as error:
             drift = describe(counter_drift(seen[-1])) or "no drift"
             raise AssertionError(f"{error}: {drift}; recount {dict(seen[-1].recount)}") from None
@@ -417,9 +414,7 @@ def test_database_outage_is_ridden_out(tmp_path: Path, admin_url: str) -> None:
     server = PostgresServer()
     reason = server.why_unavailable()
     if reason:
-        if IN_CI:
-            pytest.fail(f"cannot stop PostgreSQL under CI: {reason}")
-        pytest.skip(reason)
+        missing(f"the outage stops PostgreSQL, which it cannot here: {reason}")
     outage = 15.0
     with system(tmp_path / "outage", admin_url, cloud_config(seed=4, time_scale=10)) as s:
         # 7.5 to 22.5 real seconds each: some end during the outage, some after.
@@ -456,29 +451,33 @@ def test_database_outage_is_ridden_out(tmp_path: Path, admin_url: str) -> None:
         returned = time.time()
         returned_mono = time.monotonic()
         wait_until(
-            "the scheduler is SERVING again", lambda: s.client.health(scheduler) == SERVING, 30
+            lambda: s.client.health(scheduler) == SERVING,
+            what="the scheduler to be SERVING again",
+            within=30,
         )
         serving_again = time.monotonic() - returned_mono
         resumed = s.events.wait_for(
             lambda: any(
                 e.time.ToNanoseconds() / 1e9 >= returned for j in ids for e in s.events.by_job[j]
             ),
-            10,
+            60,
         )
+        resumed_after = time.monotonic() - returned_mono
         not_done = s.events.wait_done(ids, 120, s.client)
         figures = {
             "not_serving_after_seconds": not_serving_after,
             "serving_again_seconds": round(serving_again, 2),
+            "work_resumed_after_seconds": round(resumed_after, 2),
             "health_seen": sorted(str(x) for x in health_seen),
             "submit_during_outage": str(submit_code),
             "exited": sorted(exited),
         }
         print(json.dumps(figures))
-        assert not_serving_after is not None and not_serving_after <= 5.0, figures
+        assert not_serving_after is not None, f"health never said NOT_SERVING: {figures}"
         # A client call during the cut is told to come back later, not failed for good.
         assert submit_code == grpc.StatusCode.UNAVAILABLE, figures
         assert not exited and not s.stack.exited(), figures
-        assert resumed, "no event was written within 10 s of the database's return"
+        assert resumed, "no event was written after the database's return"
         assert not not_done, f"jobs not done after the outage: {sorted(not_done)}"
         jobs = [j for j in s.client.list_jobs() if j.job_id in set(ids)]
         assert not job_problems(jobs), job_problems(jobs)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import pytest
+from waiting import reached
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
@@ -112,6 +113,12 @@ class Pushing(BackendWrapper):
     async def _events(self) -> AsyncIterator[ClusterEvent]:
         while True:
             yield await self.pushed.get()
+            # Asked for the next event: the watch has handed this one to its watchers.
+            self.pushed.task_done()
+
+    async def delivered(self) -> None:
+        """Waits until the watch has handed every pushed event to its watchers."""
+        await reached(self.pushed.join(), what="the pushed events to be delivered")
 
 
 @pytest.fixture
@@ -150,7 +157,8 @@ async def test_pushed_news_older_than_the_launchs_own_look_is_not_taken_as_curre
     backend, hub = pushing
     watcher = hub.watch(ClusterHandle("mj-1-0", "local", seen=UP))
     await backend.pushed.put(ClusterEvent("mj-1-0", Observation(ClusterStatus.INIT, seq=3)))
-    assert await watcher.next(0.2) is None
+    await backend.delivered()
+    assert await watcher.next(0) is None
     down = Observation(ClusterStatus.DOWN, seq=7)
     await backend.pushed.put(ClusterEvent("mj-1-0", down))
     assert await asyncio.wait_for(watcher.next(1), 2) == down
@@ -166,14 +174,14 @@ async def test_pushed_news_older_than_a_look_made_meanwhile_is_not_taken_as_curr
     handle = ClusterHandle("mj-1-0", "local")
     watcher = hub.watch(handle)
     await backend.pushed.put(ClusterEvent("mj-1-0", Observation(ClusterStatus.INIT, seq=3)))
-    await asyncio.sleep(0.05)  # delivered, not yet read
+    await backend.delivered()  # not yet read
     backend.now = UP
     assert await hub.look(handle) == UP
-    assert await watcher.next(0.2) is None
+    assert await watcher.next(0) is None
     # With a preemption notice, stale news gives way to a fresh look.
     watcher.notice(1_900_000_000.0)
     await backend.pushed.put(ClusterEvent("mj-1-0", Observation(ClusterStatus.INIT, seq=4)))
-    await asyncio.sleep(0.05)
+    await backend.delivered()
     assert await asyncio.wait_for(watcher.next(1), 2) == UP
     watcher.close()
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import asyncssh
 import pytest
 from sshd import SshHost, SshHosts
+from waiting import wait_for
 
 from services.backends import (
     BackendUnreachableError,
@@ -36,25 +37,10 @@ from services.backends.ssh.config import load_node_pools
 
 pytestmark = pytest.mark.sshd
 
-T = TypeVar("T")
 UNREACHABLE_TIMEOUT = 7.0
 # How long the tests that partition a host wait for a command.
 SHORT = {"connect_timeout": 1.5, "command_timeout": 3.0}
 Factory = Callable[..., SSHBackend]
-
-
-async def wait_for(
-    probe: Callable[[], Awaitable[T]], *, within: float = 10.0, what: str = "condition"
-) -> T:
-    """Polls `probe` until it returns something truthy; fails after `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = await probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what} (last value {value!r})")
-        await asyncio.sleep(0.05)
 
 
 def request(name: str, **fields: Any) -> TaskRequest:

@@ -24,13 +24,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TypeVar
 
 import grpc
 import pytest
 from e2e import assert_no_tracebacks, mj
 from local_clusters import open_folder
 from sshd import SshHost, SshHosts, clusters_running
+from waiting import wait_until
 
 from managedjobs.v1 import controller_service_pb2 as cpb
 from managedjobs.v1 import controller_service_pb2_grpc, job_pb2, job_service_pb2_grpc
@@ -40,7 +40,6 @@ from services.stack import Service, Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sshd]
 
-T = TypeVar("T")
 S = JobStatus
 # The pools' hosts (1-based indexes into the harness's hosts) and how long each pool
 # waits for a silent host.
@@ -64,19 +63,6 @@ SSH_ENV = {
 
 
 # --- waiting ------------------------------------------------------------------------------------
-
-
-def wait_until(probe: Callable[[], T], within: float, what: str) -> T:
-    """Polls `probe` (something only the hosts can say) until it is truthy; fails after
-    `within` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within:g}s waiting for {what} ({value!r})")
-        time.sleep(0.05)
 
 
 class JobEvents:
@@ -201,8 +187,8 @@ def clean(hosts: SshHosts, jobs: job_service_pb2_grpc.JobServiceStub) -> Iterato
         jobs.CancelJobs(pb.CancelJobsRequest(job_ids=unfinished))
         wait_until(
             lambda: all(j.schedule_state == ScheduleState.DONE for j in all_jobs(jobs)),
-            60,
-            "every job to be done",
+            within=60,
+            what="every job to be done",
         )
     assert_nothing_left(hosts.hosts)
 
@@ -242,7 +228,7 @@ def assert_nothing_left(hosts: Sequence[SshHost], within: float = 20) -> None:
         return found
 
     try:
-        wait_until(lambda: not leftovers(), within, "every host to be empty")
+        wait_until(lambda: not leftovers(), within=within, what="every host to be empty")
     except AssertionError:
         raise AssertionError(f"left on the hosts: {leftovers()}") from None
 
@@ -289,7 +275,7 @@ def restart(stack: Stack, replica: Service) -> None:
             )
         return state.connected and state.lease_renew_time.seconds > 0
 
-    wait_until(leased, 30, f"{replica.name} to hold a lease again")
+    wait_until(leased, within=30, what=f"{replica.name} to hold a lease again")
 
 
 def reaped(stack: Stack, cluster: str) -> list[str]:
@@ -423,7 +409,7 @@ def test_preempted_host_is_recovered_on_another_host(
     events = JobEvents(jobs, job_id)
     try:
         events.status(S.RUNNING)
-        wait_until(marker.exists, 20, "the first attempt to start")
+        wait_until(marker.exists, within=20, what="the first attempt to start")
         (first,) = running_on(clean.hosts, cluster)
         assert first.index in EAST
 
@@ -472,15 +458,17 @@ def test_short_partition_leaves_the_job_running_and_it_succeeds(
     events = JobEvents(jobs, job_id)
     try:
         events.status(S.RUNNING)
-        (host,) = wait_until(lambda: running_on(clean.hosts, cluster), 20, "the task to run")
+        (host,) = wait_until(
+            lambda: running_on(clean.hosts, cluster), within=20, what="the task to run"
+        )
         launch = launch_held(host)
 
         host.pause()
         try:
             wait_until(
                 lambda: "unreachable since" in get(jobs, job_id).tasks[0].condition,
-                20,
-                "the unreachable condition",
+                within=20,
+                what="the unreachable condition",
             )
             status = mj(stack, "status", str(job_id))
         finally:
@@ -526,7 +514,7 @@ def test_long_partition_is_recovered_elsewhere_and_the_old_processes_reaped(
     events = JobEvents(jobs, job_id)
     try:
         events.status(S.RUNNING)
-        wait_until(marker.exists, 20, "the first attempt to start")
+        wait_until(marker.exists, within=20, what="the first attempt to start")
         (island,) = running_on(clean.hosts, cluster)
         island.pause()
         try:
@@ -534,8 +522,8 @@ def test_long_partition_is_recovered_elsewhere_and_the_old_processes_reaped(
             events.status(S.RUNNING, within=40, count=2)
             (second,) = wait_until(
                 lambda: [h for h in running_on(clean.hosts, cluster) if h is not island],
-                20,
-                "the second attempt to run",
+                within=20,
+                what="the second attempt to run",
             )
             assert second.index in EAST
             # The island still runs the first attempt: nothing could reach it.
@@ -546,11 +534,11 @@ def test_long_partition_is_recovered_elsewhere_and_the_old_processes_reaped(
         # job still runs, so nothing else would touch the island).
         wait_until(
             lambda: cluster not in island.clusters_running() and island.reservation() is None,
-            20,
-            "the island's old processes to be reaped",
+            within=20,
+            what="the island's old processes to be reaped",
         )
         # The reaper logs once the host is free: its line may come a moment later.
-        wait_until(lambda: reaped(stack, cluster), 10, "the reaper's log line")
+        wait_until(lambda: reaped(stack, cluster), within=10, what="the reaper's log line")
         assert cluster in second.clusters_running()
         go.touch()
         events.done()
@@ -578,8 +566,10 @@ def test_cancel_a_running_job_leaves_nothing_on_the_hosts(
     events = JobEvents(jobs, job_id)
     try:
         events.status(S.RUNNING)
-        used = wait_until(lambda: running_on(clean.hosts, cluster), 20, "both ranks to run")
-        wait_until(lambda: len(running_on(clean.hosts, cluster)) == 2, 20, "both ranks")
+        used = wait_until(
+            lambda: running_on(clean.hosts, cluster), within=20, what="both ranks to run"
+        )
+        wait_until(lambda: len(running_on(clean.hosts, cluster)) == 2, within=20, what="both ranks")
         assert {host.index for host in used} <= set(WEST)
 
         out = mj(stack, "cancel", str(job_id))
@@ -609,7 +599,9 @@ def test_a_killed_replica_is_resumed_elsewhere_without_a_relaunch(
     events = JobEvents(jobs, job_id)
     try:
         events.status(S.RUNNING)
-        (host,) = wait_until(lambda: running_on(clean.hosts, cluster), 20, "the task to run")
+        (host,) = wait_until(
+            lambda: running_on(clean.hosts, cluster), within=20, what="the task to run"
+        )
         launch = launch_held(host)
         holder = get(jobs, job_id).controller_id
         replica = stack.service(holder)
