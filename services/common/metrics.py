@@ -25,8 +25,11 @@ METRICS_PORT = Setting(
     int,
 )
 
-# Latency buckets from a millisecond to a minute: RPCs, grants, launches, cancels.
-SECONDS = (0.0005, 0.001, 0.002, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+# Latency buckets from half a millisecond to a minute: RPCs, grants, launches, cancels.
+SECONDS = (
+    *(0.0005, 0.001, 0.002, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5),
+    *(1, 2.5, 5, 10, 30, 60),
+)
 
 RPC_SECONDS = Histogram(
     "mj_rpc_seconds",
