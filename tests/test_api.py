@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
+from services.common.bounds import MAX_SPEC_BYTES
 from services.common.edge import ServerSecurity
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Limits
@@ -63,14 +64,18 @@ async def test_bad_spec_is_invalid_argument_naming_the_field_and_stores_nothing(
     assert list(listed.jobs) == []
 
 
-async def test_oversized_spec_is_refused(client: job_service_pb2_grpc.JobServiceStub) -> None:
-    spec = "name: big\nrun: " + "x" * (1024 * 1024 + 10) + "\n"
+async def test_oversized_spec_is_invalid_argument_and_stores_nothing(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: big\nrun: " + "x" * MAX_SPEC_BYTES + "\n"
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))
-    assert caught.value.code() in (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"larger than {MAX_SPEC_BYTES} bytes" in (caught.value.details() or "")
+    info = error_info(caught.value)
+    assert info.reason == "SPEC_INVALID" and info.metadata["field"] == "spec_yaml"
+    listed = await client.ListJobs(pb.ListJobsRequest())
+    assert list(listed.jobs) == []
 
 
 async def test_submit_get_list_and_cancel_waiting_job(
