@@ -4,9 +4,8 @@ Clusters live in the sim cloud process, so every controller replica and the
 logs service see the same ones; a cluster is found by its name alone. The task
 a cluster runs behaves as the spec's `sim` key says (runtime_seconds,
 setup_seconds, exit_code, exit_code_runs, setup_exit_code, log_lines,
-preempt_after_seconds;
-defaults in services/simcloud/clusters.py), and `run` and `setup` are never
-executed.
+preempt_after_seconds, sigterm_exit_seconds; defaults in
+services/simcloud/clusters.py), and `run` and `setup` are never executed.
 
 Errors from the cloud map onto the backend's: RESOURCE_EXHAUSTED ->
 `ResourcesUnavailableError` (regions_tried from the ErrorInfo metadata),
@@ -81,6 +80,7 @@ from services.backends.base import (
 from services.common.channels import ClientSecurity, open_channel
 from services.common.coalesce import Coalescer
 from services.common.errors import error_info
+from services.scheduler.spec_fields import NEVER
 from services.simcloud.bounds import NAME_RE
 
 log = logging.getLogger(__name__)
@@ -178,6 +178,11 @@ def launch_request(
         behavior.exit_code_runs = int(sim.get("exit_code_runs", 0))
         if "log_lines" in sim:
             behavior.log_lines.lines.extend(str(line) for line in sim["log_lines"])
+        sigterm_exit = sim.get("sigterm_exit_seconds")
+        if sigterm_exit == NEVER:
+            behavior.sigterm_ignored = True
+        elif sigterm_exit is not None:
+            behavior.sigterm_exit_seconds = float(sigterm_exit)
     except (TypeError, ValueError) as exc:
         raise PrecheckError(f"sim: {exc}") from exc
     return pb.LaunchRequest(
