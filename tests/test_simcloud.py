@@ -1120,6 +1120,29 @@ async def test_a_task_exits_at_sigterm_unless_it_traps_it(manual: Manual) -> Non
     assert (await m.cluster(late.cluster_name)).exit_code == 137
 
 
+async def test_a_stop_never_waits_for_an_earlier_stops_grace(manual: Manual) -> None:
+    """Cancels made one after another each get their SIGTERM at once, though every
+    earlier stop is still waiting out its grace for a task that traps SIGTERM: the
+    stops' batches are never queued behind each other's answers."""
+    m = manual
+    handles = [
+        await m.backend.launch(task(job, sim={"runtime_seconds": 1e6, **TRAPS}, use_spot=False))
+        for job in range(1, 9)
+    ]
+    stops = []
+    for handle in handles:
+        stops.append(asyncio.create_task(m.backend.stop(handle, epoch=1, grace=30)))
+        await eventually(lambda h=handle: signalled(m, h.cluster_name), True)
+    assert m.backend.terminations.batches == len(handles)
+    assert not any(stop.done() for stop in stops)
+    m.advance(30)
+    await asyncio.wait_for(asyncio.gather(*stops), 5)
+    for handle in handles:
+        record = await m.cluster(handle.cluster_name)
+        assert record.sigterm_time.ToNanoseconds() / 1e9 == START
+        assert (record.exit_code, record.task_end_time.ToNanoseconds() / 1e9) == (137, START + 30)
+
+
 async def read_until(stream: AsyncIterator[bytes], marker: bytes) -> bytes:
     """Chunks of a log stream until `marker` shows (5 real seconds at most)."""
     got = b""

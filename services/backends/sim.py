@@ -34,11 +34,12 @@ the `sim` key's runtime, passes `time_scale` times faster than real time, and
 the Terminate call, which returns once the cluster is gone, may take that long.
 Launches asked for at once go as one LaunchClusters call (`launches`), stops and
 teardowns as one TerminateClusters call per grace (`terminations`), each item
-answered, and failed, on its own; log reads asked for at once go as one GetLogs
-call (`log_reads`). A batched launch whose caller gives up (a cancel, a drain) is
-torn down before the caller goes on, and again should its batch still bring it UP,
-as the cloud rolls back a lone Launch cancelled mid-way; closing the backend cancels
-its batches in flight, which the cloud rolls back.
+answered, and failed, on its own; a stop or teardown never waits for an earlier
+batch, whose answer may wait for its tasks' grace to run out. Log reads asked for
+at once go as one GetLogs call (`log_reads`). A batched launch whose caller gives
+up (a cancel, a drain) is torn down before the caller goes on, and again should its
+batch still bring it UP, as the cloud rolls back a lone Launch cancelled mid-way;
+closing the backend cancels its batches in flight, which the cloud rolls back.
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
 ended has nothing to tell and the call returns quietly.
@@ -277,9 +278,11 @@ class SimBackend(Backend):
         )
         self._teardowns: set[asyncio.Task[None]] = set()
         # Stops and teardowns asked for at once go as one TerminateClusters call, by
-        # (keep_cluster, grace): a long grace never holds up a short one.
+        # (keep_cluster, grace): a long grace never holds up a short one. The cloud answers
+        # once every task of the batch ended, up to the grace later (a task that traps
+        # SIGTERM), so a call never waits for an earlier batch: its SIGTERM goes at once.
         self.terminations: Coalescer[tuple[bool, float], pb.TerminateRequest, None] = Coalescer(
-            self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH
+            self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH, in_flight=None
         )
         # Log reads asked for at once (the logs service fetching many clusters' logs
         # before their teardown) go as one GetLogs call.
