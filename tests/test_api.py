@@ -47,6 +47,11 @@ BAD_SPECS = [
         "name: c\n---\nrun: a\n---\nrun: b\nnum_nodes: many\n",
         "tasks[1].num_nodes",
     ),
+    (
+        "sim task that traps SIGTERM, badly",
+        "name: x\nrun: a\nsim: {sigterm_exit_seconds: forever}\n",
+        "sim.sigterm_exit_seconds",
+    ),
 ]
 
 
