@@ -21,7 +21,9 @@ What the checker relies on (the event log's contract, contract §4, §5, §8, §
   event whose message is one of `RELEASE_PREFIXES`;
 - an accepted cancel of a job not DONE writes `cancel requested` (or `cancelled
   before start` when no replica had taken the job);
-- the job's end is the (one) event with schedule state DONE;
+- the job's end is the (one) event with schedule state DONE, naming the task the
+  job shows; just before it, in its transaction, each other task the end moved has
+  an event of its own (with the end's message and epoch);
 - every other event the scheduler makes carries epoch 0.
 
 Every message the checker reads meaning from is a constant of this module; keep

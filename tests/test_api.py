@@ -206,6 +206,27 @@ async def test_watch_streams_backlog_then_live_events(
     stream.cancel()
 
 
+async def test_a_watch_sees_each_task_of_a_chain_cancelled_before_start(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: c\n---\nrun: a\n---\nrun: b\n---\nrun: c\n"
+    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))).job_id
+    stream = client.WatchJobs(pb.WatchJobsRequest(job_ids=[job_id]))
+    assert (await stream.read()).event.message == "submitted"
+    await client.CancelJobs(pb.CancelJobsRequest(job_ids=[job_id]))
+    seen = []
+    while not seen or seen[-1][2] != ScheduleState.DONE:
+        event = (await stream.read()).event
+        seen.append((event.task_id, event.status, event.schedule_state))
+    stream.cancel()
+    cancelled = JobStatus.CANCELLED
+    assert seen == [
+        (1, cancelled, ScheduleState.WAITING),
+        (2, cancelled, ScheduleState.WAITING),
+        (0, cancelled, ScheduleState.DONE),
+    ]
+
+
 async def test_a_batched_watch_sends_every_event_ready_at_once_in_one_response(
     client: job_service_pb2_grpc.JobServiceStub,
 ) -> None:

@@ -9,6 +9,7 @@ its job and evidence. No processes, no database: the checker is pure.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 from history import (
@@ -94,16 +95,22 @@ class Run:
     def cancel(self, job: int) -> None:
         self.event(job, "cancel requested")
 
-    def cancel_unstarted(self, job: int) -> None:
-        self.event(job, "cancelled before start", status=S.CANCELLED, state=St.DONE)
+    def cancel_unstarted(self, job: int, tasks: int = 1) -> None:
+        for task in range(1, tasks):
+            self.event(job, "cancelled before start", status=S.CANCELLED, task=task)
+        self.event(job, "cancelled before start", status=S.CANCELLED, state=St.DONE, task=0)
 
     # --- a replica's reports --------------------------------------------------------------
 
     def report(self, job: int, status: S, epoch: int, task: int = 0, message: str = "") -> None:
         self.event(job, message or status.name, status=status, task=task, epoch=epoch)
 
-    def done(self, job: int, epoch: int) -> None:
-        self.event(job, "done", state=St.DONE, epoch=epoch)
+    def done(self, job: int, epoch: int, cancelled: Sequence[int] = ()) -> None:
+        """The job's end; before it, an event for each task of `cancelled` it ends."""
+        status, _, task = self.state[job]
+        for other in cancelled:
+            self.event(job, "done", status=S.CANCELLED, task=other, epoch=epoch)
+        self.event(job, "done", status=status, state=St.DONE, task=task, epoch=epoch)
 
     # --- the cloud ------------------------------------------------------------------------
 
@@ -292,6 +299,26 @@ def test_a_task_left_unfinished_at_the_end_is_reported() -> None:
     run.done(7, 1)
     v = only(check(run.history()), Kind.TERMINAL_STATUS, 7)
     assert v.task_id == 1 and "with the task RUNNING" in v.evidence
+
+
+def test_a_chains_end_has_an_event_for_each_task_it_ends() -> None:
+    """Cancelled before start, or ended by its first task's failure: each later task's
+    CANCELLED is an event of its own before the end, and is judged like any other."""
+    run = good_run()
+    run.submit(7)
+    run.cancel_unstarted(7, tasks=3)
+    for job, ended in ((8, [1, 2]), (9, [0, 1])):
+        run.submit(job)
+        run.admit(job, "controller-1", 1)
+        run.report(job, S.STARTING, 1)
+        cluster = run.launch(job, 1)
+        run.report(job, S.RUNNING, 1)
+        run.finish_run(cluster, exit_code=1)
+        run.report(job, S.FAILED, 1)
+        run.terminate(cluster)
+        run.done(job, 1, cancelled=ended)  # job 9's end wrongly cancels its failed task
+    v = only(check(run.history()), Kind.TERMINAL_STATUS, 9)
+    assert v.task_id == 0 and "FAILED" in v.evidence and "became CANCELLED" in v.evidence
 
 
 def test_a_lost_submission_is_reported() -> None:
