@@ -1,13 +1,13 @@
 """Benchmark: 1,000 sim jobs while controller replicas are SIGKILLed, three times a minute.
 
-The chaos soak of `tests/test_reliability.py` at bench scale, through the same
-harness (`tests/reliability.py`, `tests/soak.py`): the whole system as processes (scheduler on a
+The chaos soak of `tests/system/test_reliability.py` at bench scale, through the same
+harness (`harness/reliability.py`, `harness/soak.py`): the whole system as processes (scheduler on a
 fresh PostgreSQL database, three controller replicas, logs, a seeded
 three-region sim cloud with random spot preemptions), jobs submitted at a
 steady rate with idempotency keys, a random replica SIGKILLed at seeded random
 intervals and restarted with the same id after a seeded random delay. Once every
 job is DONE it judges the run's durable record with the history checker
-(`tests/history.py`: one terminal status per job, no finished task redone, no
+(`harness/history.py`: one terminal status per job, no finished task redone, no
 duplicate launch, no cluster left; the other kinds counted) and records one JSON
 line (`results.py`): the figures (resume latency after a kill, p50 and p99, against
 the "replica killed -> its jobs resumed" row of contract §15; kills, preemptions,
@@ -27,12 +27,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from reliability import ADMIN_URL  # noqa: E402
-from results import record  # noqa: E402
-from soak import SoakConfig, run_soak  # noqa: E402
+from harness.bench.results import record
+from harness.reliability import ADMIN_URL
+from harness.soak import SoakConfig, run_soak
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -1,12 +1,12 @@
 """Benchmark: the randomized fault run at length, over many seeds, and what its history shows.
 
-The run of `tests/test_history.py` (`tests/history_run.py`), longer and more often:
+The run of `tests/system/test_history.py` (`harness/history_run.py`), longer and more often:
 the whole system as processes (scheduler on a fresh PostgreSQL database, three
 controller replicas, logs, a seeded sim cloud), a seeded workload of jobs and
 chains with cancels right after submit, while launching and later, and a seeded
 fault schedule of replica SIGKILLs, replicas paused past their lease, scheduler
 restarts, PostgreSQL outages and spot preemptions. Each seed's durable record is
-judged by the history checker (`tests/history.py`). Records one JSON line
+judged by the history checker (`harness/history.py`). Records one JSON line
 (`results.py`): the violations per kind and the faults carried out per kind, summed
 over the seeds and per seed, and the machine. The violations themselves go to
 stderr with `--details`. Exits 1 when a seed shows a violation or a problem.
@@ -28,13 +28,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from faults import FaultKind  # noqa: E402
-from history_run import RunConfig, run_history  # noqa: E402
-from reliability import ADMIN_URL  # noqa: E402
-from results import record  # noqa: E402
+from harness.bench.results import record
+from harness.faults import FaultKind
+from harness.history_run import RunConfig, run_history
+from harness.reliability import ADMIN_URL
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -64,7 +61,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ci",
         action="store_true",
-        help="the CI test's run (tests/test_history.py) for each seed; other sizes ignored",
+        help="the CI test's run (tests/system/test_history.py) for each seed; other sizes ignored",
     )
     return parser.parse_args(argv)
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from sqlalchemy import func, select, update
 
 from services.common.statuses import JobStatus, ScheduleState
-from services.scheduler.models import JobRow
+from services.scheduler.db.models import JobRow
 from services.scheduler.store import Store, Txn, end_unstarted
 
 log = logging.getLogger(__name__)
