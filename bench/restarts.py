@@ -24,9 +24,10 @@ It records one JSON line (`results.py`): those findings; each restart's signal a
 times from the signal until the old process was gone, the new one served
 (grpc.health.v1), every replica was connected again and a submission was answered
 again, with p50/p99/max over the restarts; submissions per second; the calls made
-again; and the jobs whose lease ran out meanwhile (moved to a new epoch: allowed,
-counted). Exits 1 when anything was lost or duplicated, a job is not RUNNING, a
-counter was corrected or differs from the recount, or a service exited.
+again; and the jobs that moved to a new epoch meanwhile (allowed: a replica that
+never heard of its assignment, or whose lease ran out), with the releases that
+moved them by reason. Exits 1 when anything was lost or duplicated, a job is not
+RUNNING, a counter was corrected or differs from the recount, or a service exited.
 
     python bench/restarts.py [--jobs 10000] [--restarts 5] [--clients 8] [--postgres URL]
 """
@@ -52,7 +53,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from history import counter_drift  # noqa: E402
+from history import RELEASE_PREFIXES, counter_drift, is_release  # noqa: E402
 from reliability import (  # noqa: E402
     Client,
     Database,
@@ -304,6 +305,11 @@ def measure(stack: Stack, db: Database, args: argparse.Namespace) -> dict[str, A
     corrections_logged = logged_corrections(stack)
     cloud = cloud_figures(client)
     moved = int(db.query("SELECT count(*) FROM jobs WHERE epoch > 1")[0][0])
+    releases = collections.Counter(
+        next(p for p in RELEASE_PREFIXES if e.message.startswith(p)).strip()
+        for e in db.events()
+        if is_release(e)
+    )
     exited = [s.name for s in stack.exited()]
     client.close()
 
@@ -321,6 +327,8 @@ def measure(stack: Stack, db: Database, args: argparse.Namespace) -> dict[str, A
         "launches": cloud["launches"],
         "duplicate_launches": cloud["duplicate_launches"],
         "jobs_moved": moved,
+        # Why replicas lost jobs (by the release event's message): each such job moved.
+        "releases": dict(releases),
         "leases_expired": logged(stack, LEASE_EXPIRED),
         "services_exited": exited,
     }
