@@ -23,7 +23,7 @@ it was met; and the machine. Exits 1 on any violation (a problem of the run, a
 history violation, a duplicate launch, a job left, a counter correction); a target
 missed is a figure, not a failure.
 
-    python bench/chaos.py [--jobs 1000] [--faults-per-minute 3] [--seconds 180]
+    python bench/chaos.py [--jobs 1000] [--faults-per-minute 3] [--seconds 150]
 
 Needs the PostgreSQL server (MJ_TEST_POSTGRES_URL, default the local one).
 """
@@ -55,7 +55,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--replicas", type=int, default=3)
     parser.add_argument("--faults-per-minute", type=float, default=3.0)
-    parser.add_argument("--seconds", type=float, default=180.0, help="how long the faults go on")
+    parser.add_argument("--seconds", type=float, default=150.0, help="how long the faults go on")
     parser.add_argument(
         "--pause-share", type=float, default=0.5, help="share of faults that SIGSTOP, not SIGKILL"
     )
@@ -67,7 +67,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--runtime",
         type=float,
         nargs=2,
-        default=(30.0, 90.0),
+        default=(20.0, 60.0),
         metavar=("MIN", "MAX"),
         help="real seconds a task runs, drawn uniformly (long enough for many to be "
         "running when a replica is hit)",
@@ -75,7 +75,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--preemptions-per-hour",
         type=float,
-        default=2.0,
+        default=1.0,
         help="per spot cluster and simulated hour (the sim cloud runs 10 times real time)",
     )
     parser.add_argument("--database-url", default=ADMIN_URL, help="PostgreSQL admin URL")

@@ -315,7 +315,8 @@ def resume_figures(
         "p50_s": _rounded(percentile(seconds, 50)),
         "p99_s": _rounded(percentile(seconds, 99)),
         "max_s": _rounded(max(seconds, default=None)),
-        "slowest_per_fault_s": [_rounded(slowest[r.started]) for r in hits if r.started in slowest],
+        # None for a fault whose jobs all ended before they were resumed.
+        "slowest_per_fault_s": [_rounded(slowest.get(r.started)) for r in hits],
         "left": len(left),
     }
 
