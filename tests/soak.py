@@ -84,8 +84,8 @@ class Resume:
     replica: str
     seconds: float
     resumed_on: str
-    # True when the job moved because the lease expired, False when the restarted
-    # replica came back first (its hello no longer named the job).
+    # True when the job moved because the lease expired; False when something else
+    # moved it first (its stream closed, or the restarted replica's hello did not name it).
     lease_expired: bool
 
 
