@@ -17,6 +17,8 @@ seconds), it checks, from the API and the database:
 - every submission stored exactly once: each key answered with a job of its own,
   which is the key's one row in the jobs table, and ListJobs shows exactly those;
 - every job RUNNING (or in a terminal status), each launched once on the cloud;
+  nothing in the run ends a job, so one that ended (with its reason) was ended by
+  the system, and fails the run;
 - 0 counter corrections (GetSchedulerState's count, read before each restart and
   at the end, and the scheduler's log of them, which outlives a SIGKILL), and the
   counters equal to a recount of the database.
@@ -27,7 +29,8 @@ again, with p50/p99/max over the restarts; submissions per second; the calls mad
 again; and the jobs that moved to a new epoch meanwhile (allowed: a replica that
 never heard of its assignment, or whose lease ran out), with the releases that
 moved them by reason. Exits 1 when anything was lost or duplicated, a job is not
-RUNNING, a counter was corrected or differs from the recount, or a service exited.
+RUNNING or ended, a counter was corrected or differs from the recount, or a service
+exited.
 
     python bench/restarts.py [--jobs 10000] [--restarts 5] [--clients 8] [--postgres URL]
 """
@@ -305,6 +308,15 @@ def measure(stack: Stack, db: Database, args: argparse.Namespace) -> dict[str, A
     corrections_logged = logged_corrections(stack)
     cloud = cloud_figures(client)
     moved = int(db.query("SELECT count(*) FROM jobs WHERE epoch > 1")[0][0])
+    # Nothing in this run ends a job: one that ended, the system ended.
+    ended = [
+        (status, why, int(n))
+        for status, why, n in db.query(
+            "SELECT status, failure_reason, count(*) FROM jobs WHERE status <> $1 GROUP BY 1, 2",
+            JobStatus.RUNNING.name,
+        )
+        if JobStatus[status] in TERMINAL
+    ]
     releases = collections.Counter(
         next(p for p in RELEASE_PREFIXES if e.message.startswith(p)).strip()
         for e in db.events()
@@ -321,6 +333,8 @@ def measure(stack: Stack, db: Database, args: argparse.Namespace) -> dict[str, A
             n for s, n in statuses.items() if s != JobStatus.RUNNING and s not in TERMINAL
         ),
         "statuses": {s.name: n for s, n in sorted(statuses.items())},
+        "ended": sum(n for _, _, n in ended),
+        "ended_why": [f"{n} {status}: {why}" for status, why, n in ended][:10],
         "counter_corrections": corrections,
         "counter_corrections_logged": corrections_logged,
         "counter_drift": drift,
@@ -338,6 +352,8 @@ def measure(stack: Stack, db: Database, args: argparse.Namespace) -> dict[str, A
         )
     if figures["not_running"] or all_running is None:
         problems.append(f"jobs not RUNNING after {args.settle:.0f}s: {figures['statuses']}")
+    if figures["ended"]:
+        problems.append(f"{figures['ended']} jobs ended: {figures['ended_why']}")
     if corrections or corrections_logged or drift:
         problems.append(f"counters: {corrections} corrected ({corrections_logged} logged), {drift}")
     if cloud["duplicate_launches"]:
