@@ -33,8 +33,11 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
-from harness.reliability import Client, Log, PostgresServer, quiet
+from harness.history import RESUMED_PREFIX
+from harness.reliability import Client, EventLog, Log, PostgresServer, quiet
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
+from managedjobs.v1 import job_pb2
+from services.common.statuses import ScheduleState
 from services.launcher.stack import Service, Stack
 
 
@@ -76,6 +79,7 @@ class FaultRecord:
     """What one fault did: wall-clock times, the jobs a hit replica held, and a detail."""
 
     fault: Fault
+    # When it began; for a replica, the signal (sent once its jobs were listed).
     started: float
     ended: float = 0.0
     held: list[int] = dataclasses.field(default_factory=list)
@@ -154,30 +158,55 @@ def plan_faults(
     return tuple(sorted(planned, key=lambda f: (f.at, f.kind)))
 
 
-def plan_kills(
+def plan_replica_faults(
     seed: int,
     seconds: float,
     replicas: Sequence[str],
     interval: tuple[float, float],
     restart_delay: tuple[float, float],
+    pause_share: float = 0.0,
 ) -> tuple[Fault, ...]:
-    """Replica kills every `interval` seconds for `seconds`, each down `restart_delay`."""
+    """A replica hit every `interval` seconds for `seconds`, each down `restart_delay`:
+    SIGKILLed, or SIGSTOPped for a `pause_share` of the faults."""
     rng = random.Random(seed)
     planned: list[Fault] = []
     at = rng.uniform(*interval)
     while at < seconds:
         victim = rng.choice(list(replicas))
         down = rng.uniform(*restart_delay)
-        planned.append(Fault(round(at, 2), FaultKind.KILL_REPLICA, victim, round(down, 2)))
+        # Drawn only when asked for, so that a schedule of kills alone stays as it was.
+        pause = pause_share > 0 and rng.random() < pause_share
+        kind = FaultKind.PAUSE_REPLICA if pause else FaultKind.KILL_REPLICA
+        planned.append(Fault(round(at, 2), kind, victim, round(down, 2)))
         at += rng.uniform(*interval)
     return tuple(planned)
+
+
+def handed_elsewhere(by_job: Mapping[int, Sequence[job_pb2.JobEvent]], record: FaultRecord) -> bool:
+    """Whether every job the hit replica held has, since the fault, been handed to
+    another replica or is DONE, by the events seen of each job (`EventLog.by_job`)."""
+
+    def away(job_id: int) -> bool:
+        for event in by_job.get(job_id, []):
+            if event.time.ToNanoseconds() / 1e9 < record.started:
+                continue
+            holder = event.message.removeprefix(RESUMED_PREFIX).strip()
+            moved = event.message.startswith(RESUMED_PREFIX) and holder != record.target
+            if moved or event.schedule_state == ScheduleState.DONE:
+                return True
+        return False
+
+    return all(away(job_id) for job_id in record.held)
 
 
 class FaultRunner:
     """Carries out a schedule: episodes on one thread, instants on another.
 
-    `stop` cuts the schedule short; either way every process is up and the
-    database reachable once `stop` or `join` returns.
+    With `events` and `hold`, a killed or paused replica stays down (or stopped)
+    until every job it held was handed to another replica or is done, at most `hold`
+    seconds, and only then for its fault's duration: its own return never cuts its
+    jobs' move short. `stop` cuts the schedule short; either way every process is up
+    and the database reachable once `stop` or `join` returns.
     """
 
     def __init__(
@@ -187,12 +216,16 @@ class FaultRunner:
         plan: Sequence[Fault],
         log: Log = quiet,
         database: PostgresServer | None = None,
+        events: EventLog | None = None,
+        hold: float = 0.0,
     ) -> None:
         self.stack = stack
         self.client = client
         self.plan = tuple(plan)
         self.log = log
         self.database = database
+        self.events = events
+        self.hold = hold
         if database is None and any(f.kind == FaultKind.DATABASE_OUTAGE for f in self.plan):
             raise ValueError("a database outage needs the PostgresServer to stop")
         self.records: list[FaultRecord] = []
@@ -260,14 +293,18 @@ class FaultRunner:
         if kind == FaultKind.KILL_REPLICA:
             victim = self.stack.service(fault.target)
             record.held = self._held(victim)
+            record.started = time.time()
             victim.kill()
+            self._until_handed_elsewhere(record)
             self._stop.wait(fault.duration)
             self._restart(victim)
         elif kind == FaultKind.PAUSE_REPLICA:
             victim = self.stack.service(fault.target)
             record.held = self._held(victim)
+            record.started = time.time()
             victim.pause()
             try:
+                self._until_handed_elsewhere(record)
                 self._stop.wait(fault.duration)
             finally:
                 victim.resume()
@@ -310,6 +347,13 @@ class FaultRunner:
                 lambda: self.client.cloud.PreemptRegion(request_region, timeout=10)
             ).cluster_names
             record.detail = f"{len(names)} clusters"
+
+    def _until_handed_elsewhere(self, record: FaultRecord) -> None:
+        if self.events is None or not self.hold:
+            return
+        events = self.events
+        if not events.wait_for(lambda: handed_elsewhere(events.by_job, record), self.hold):
+            record.detail = f"its jobs were not all elsewhere after {self.hold:.0f}s"
 
     def _held(self, victim: Service) -> list[int]:
         try:

@@ -33,7 +33,9 @@ import functools
 import json
 import math
 import os
+import re
 import shutil
+import sqlite3
 import subprocess
 import threading
 import time
@@ -145,13 +147,20 @@ class Database:
     """Reads the scheduler's tables directly: the recount and the complete event log.
 
     The API's JobEvent has no epoch, and a live WatchJobs stream is not a proof
-    of completeness; the database is the only truth (contract §2).
+    of completeness; the database is the only truth (contract §2). `url` is a
+    PostgreSQL URL or the scheduler's SQLite one (`sqlite:///PATH`, read-only here);
+    queries are written with PostgreSQL's `$1` parameters, which SQLite reads as `?1`.
     """
 
     def __init__(self, url: str) -> None:
         self.url = url
 
     def query(self, sql: str, *args: object) -> list[tuple[Any, ...]]:
+        if self.url.startswith("sqlite"):
+            path = self.url.split(":///", 1)[1]
+            with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as conn:
+                return [tuple(r) for r in conn.execute(re.sub(r"\$(\d+)", r"?\1", sql), args)]
+
         async def run() -> list[tuple[Any, ...]]:
             conn = await asyncpg.connect(self.url, timeout=10)
             try:
@@ -165,6 +174,11 @@ class Database:
         """Jobs per (controller id, schedule state), in one statement."""
         rows = self.query("SELECT controller_id, schedule_state, count(*) FROM jobs GROUP BY 1, 2")
         return collections.Counter({(c, _enum(ScheduleState, s)): int(n) for c, s, n in rows})
+
+    def statuses(self) -> collections.Counter[JobStatus]:
+        """Jobs per status, in one statement."""
+        rows = self.query("SELECT status, count(*) FROM jobs GROUP BY 1")
+        return collections.Counter({_enum(JobStatus, s): int(n) for s, n in rows})
 
     def events(self, after_id: int = 0) -> list[EventRecord]:
         rows = self.query(
@@ -203,6 +217,8 @@ class Database:
 
 
 def _seconds(value: object) -> float:
+    if isinstance(value, str):  # SQLite keeps a time as its ISO text
+        value = dt.datetime.fromisoformat(value)
     if isinstance(value, dt.datetime):
         if value.tzinfo is None:
             value = value.replace(tzinfo=dt.UTC)

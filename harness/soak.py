@@ -1,11 +1,14 @@
-"""The chaos soak: seeded replica kills during a steady keyed workload, and its figures.
+"""The chaos soak: seeded replica faults during a steady keyed workload, and its figures.
 
 `run_soak` submits jobs with idempotency keys at a steady rate (`workload.py`),
-SIGKILLs a random replica at seeded random intervals and restarts it with the same
-controller id after a seeded random delay (`faults.plan_kills`), then waits
-(bounded) until every job is DONE; `analyse_soak` judges the run from its durable
-record with the history checker (`history.py`) and computes the kill-to-resume
-times.
+hits a random replica at seeded random intervals (`faults.plan_replica_faults`):
+SIGKILL, so that its stream closes at once, or for a share of the faults SIGSTOP,
+so that it goes silent with its stream open; it restarts (or SIGCONTs) it with the
+same controller id after a seeded random delay, counted with `hold_until_moved`
+from the moment its jobs were all handed elsewhere. It then waits (bounded) until
+every job is DONE; `analyse_soak` judges the run from its durable record with the
+history checker (`history.py`) and computes the fault-to-resume times, for each
+kind of fault.
 Used by `tests/system/test_reliability.py` and `bench/chaos.py`.
 """
 
@@ -18,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.faults import FaultKind, FaultRecord, FaultRunner, plan_kills
+from harness.faults import FaultKind, FaultRecord, FaultRunner, plan_replica_faults
 from harness.history import (
     LEASE_EXPIRED_PREFIX,
     RESUMED_PREFIX,
@@ -63,26 +66,34 @@ SOAK_KINDS = frozenset(
 )
 
 
+# The replica faults of a soak, by their name in the figures.
+FAULT_NAMES = {FaultKind.KILL_REPLICA: "kills", FaultKind.PAUSE_REPLICA: "pauses"}
+# What each does to the replica's stream: closed at once, or open and silent (no
+# heartbeats), when the lease's TTL decides.
+RESUME_NAMES = {FaultKind.KILL_REPLICA: "stream_closed", FaultKind.PAUSE_REPLICA: "silent"}
+
+
 @dataclasses.dataclass(frozen=True)
 class Resume:
-    """When a job held by a killed replica was RUNNING again, and where."""
+    """When a job held by a killed (or paused) replica was RUNNING again, and where."""
 
     job_id: int
-    kill_time: float
-    killed: str
+    # When the replica was hit, and its name.
+    fault_time: float
+    replica: str
     seconds: float
     resumed_on: str
-    # True when the job moved because the lease expired, False when the restarted
-    # replica came back first (its hello no longer named the job).
+    # True when the job moved because the lease expired; False when something else
+    # moved it first (its stream closed, or the restarted replica's hello did not name it).
     lease_expired: bool
 
 
 def resumes(
-    kills: Sequence[FaultRecord], events: Sequence[EventRecord]
+    hits: Sequence[FaultRecord], events: Sequence[EventRecord]
 ) -> tuple[list[Resume], list[str]]:
-    """From the event log: for every job a killed replica held, the time until it RUNS again.
+    """From the event log: for every job a hit replica held, the time until it RUNS again.
 
-    After the kill, the scheduler hands the job to a replica ("resumed on X");
+    After the fault, the scheduler hands the job to a replica ("resumed on X");
     the job is RUNNING again at that event when its task was RUNNING (it is
     watched again), else at its next RUNNING event (relaunched). Jobs that ended
     before being resumed give no sample. A held job that is never resumed and
@@ -93,9 +104,9 @@ def resumes(
         by_job[event.job_id].append(event)
     out: list[Resume] = []
     problems: list[str] = []
-    for kill in kills:
-        for job_id in kill.held:
-            after = [e for e in by_job.get(job_id, []) if e.time >= kill.started]
+    for hit in hits:
+        for job_id in hit.held:
+            after = [e for e in by_job.get(job_id, []) if e.time >= hit.started]
             resumed_index = next(
                 (i for i, e in enumerate(after) if e.message.startswith(RESUMED_PREFIX)), None
             )
@@ -105,7 +116,8 @@ def resumes(
             if resumed_index is None or (done_index is not None and done_index < resumed_index):
                 if done_index is None:
                     problems.append(
-                        f"job {job_id}, held by {kill.target} when killed, was never resumed"
+                        f"job {job_id}, held by {hit.target} when hit ({hit.kind}), "
+                        "was never resumed"
                     )
                 continue
             resumed = after[resumed_index]
@@ -123,9 +135,9 @@ def resumes(
             out.append(
                 Resume(
                     job_id=job_id,
-                    kill_time=kill.started,
-                    killed=kill.target,
-                    seconds=running.time - kill.started,
+                    fault_time=hit.started,
+                    replica=hit.target,
+                    seconds=running.time - hit.started,
                     resumed_on=assignee(resumed),
                     lease_expired=expired,
                 )
@@ -143,10 +155,15 @@ class SoakConfig:
     jobs: int = 80
     replicas: int = 3
     seed: int = 1
-    # Kills go on for at least this long, every `kill_interval` seconds.
+    # Faults go on for at least this long, every `fault_interval` seconds.
     chaos_seconds: float = 30.0
-    kill_interval: tuple[float, float] = (5.0, 10.0)
+    fault_interval: tuple[float, float] = (5.0, 10.0)
     restart_delay: tuple[float, float] = (0.5, 4.5)
+    # The share of faults that SIGSTOP the replica rather than SIGKILL it.
+    pause_share: float = 0.0
+    # When positive, a hit replica stays down until its jobs were all handed elsewhere
+    # (at most this many seconds) before its `restart_delay`.
+    hold_until_moved: float = 0.0
     # Submissions are spread evenly over this window.
     submit_seconds: float = 20.0
     lease_ttl: float = 3.0
@@ -169,7 +186,7 @@ class SoakReport:
     violations: list[Violation]
     # Those violations with the clusters, events and lifecycle logs of the first jobs.
     details: str
-    kills: list[FaultRecord] = dataclasses.field(default_factory=list)
+    faults: list[FaultRecord] = dataclasses.field(default_factory=list)
     resumes: list[Resume] = dataclasses.field(default_factory=list)
 
 
@@ -196,14 +213,17 @@ def run_soak(
         heartbeat_interval=config.heartbeat_interval,
         log=log,
     ) as s:
-        kills = plan_kills(
+        faults = plan_replica_faults(
             config.seed,
             config.chaos_seconds,
             [c.name for c in s.stack.controllers],
-            config.kill_interval,
+            config.fault_interval,
             config.restart_delay,
+            config.pause_share,
         )
-        chaos = FaultRunner(s.stack, s.client, kills, log)
+        chaos = FaultRunner(
+            s.stack, s.client, faults, log, events=s.events, hold=config.hold_until_moved
+        )
         workload = Workload(s.client, s.events, plan, log)
         started = time.monotonic()
         workload.start()
@@ -212,13 +232,14 @@ def run_soak(
         chaos.join(config.chaos_seconds + 300)
         workload.close()
         chaos_seconds = time.monotonic() - started
-        log(f"chaos over after {chaos_seconds:.0f}s and {len(chaos.records)} kills; draining")
+        log(f"chaos over after {chaos_seconds:.0f}s and {len(chaos.records)} faults; draining")
         ids = set(workload.job_ids.values())
         not_done = s.events.wait_done(ids, config.drain_timeout, s.client, log)
         duration = time.monotonic() - started
         report = analyse_soak(config, s.stack, s.client, s.db, chaos, workload, not_done)
         report.figures["chaos_seconds"] = round(chaos_seconds, 1)
-        report.figures["kills_planned"] = len(kills)
+        for kind, name in FAULT_NAMES.items():
+            report.figures[f"{name}_planned"] = sum(f.kind == kind for f in faults)
         report.figures["duration_seconds"] = round(duration, 1)
         report.figures["watch_reconnects"] = s.events.reconnects
         return report
@@ -241,31 +262,28 @@ def analyse_soak(
     history = collect_history(client, db, workload.job_ids.values(), [snapshot])
     violations = check(history)
     asserted = [v for v in violations if v.kind in SOAK_KINDS]
-    kills = [r for r in chaos.records if r.kind == FaultKind.KILL_REPLICA]
-    samples, lost = resumes(kills, history.events)
-    problems.extend(lost[:50])
-    seconds = [r.seconds for r in samples]
-    after_expiry = [r.seconds for r in samples if r.lease_expired]
+    hits = [r for r in chaos.records if r.kind in FAULT_NAMES]
+    samples: list[Resume] = []
+    resume: dict[str, dict[str, Any]] = {}
+    for kind, name in RESUME_NAMES.items():
+        of_kind = [r for r in hits if r.kind == kind]
+        found, left = resumes(of_kind, history.events)
+        problems.extend(left[:50])
+        samples += found
+        resume[name] = resume_figures(of_kind, found, left)
     statuses = collections.Counter(JobStatus(j.status).name for j in jobs)
-    p50, p99 = percentile(seconds, 50), percentile(seconds, 99)
     figures: dict[str, Any] = {
         "jobs": len(jobs),
         "replicas": config.replicas,
         "seed": config.seed,
-        "kills": len(kills),
-        "jobs_held_at_kills": sum(len(k.held) for k in kills),
+        **{name: sum(r.kind == kind for r in hits) for kind, name in FAULT_NAMES.items()},
+        "jobs_held_when_hit": sum(len(r.held) for r in hits),
         "lease_ttl_seconds": config.lease_ttl,
         "resume_samples": len(samples),
-        "resumed_elsewhere": sum(r.resumed_on != r.killed for r in samples),
-        "resume_p50_seconds": _rounded(p50),
-        "resume_p99_seconds": _rounded(p99),
-        "resume_max_seconds": _rounded(max(seconds) if seconds else None),
-        "resume_target_seconds": config.lease_ttl + 2.0,
-        # Kills whose replica was still down when its lease ran out: the §15 figure proper.
-        "resume_after_expiry_samples": len(after_expiry),
-        "resume_after_expiry_p50_seconds": _rounded(percentile(after_expiry, 50)),
-        "resume_after_expiry_p99_seconds": _rounded(percentile(after_expiry, 99)),
+        # Fault -> the job RUNNING again, by how the replica's stream ended.
+        "resume": resume,
         **cloud_figures(client),
+        "counter_corrections": int(client.scheduler_state().counter_corrections),
         "recoveries": sum(j.recovery_count for j in jobs),
         "cancel_requests": len(workload.cancelled),
         "statuses": dict(sorted(statuses.items())),
@@ -276,7 +294,30 @@ def analyse_soak(
         "problems": len(problems) + len(asserted),
     }
     details = explain(client, db, asserted) if asserted else ""
-    return SoakReport(figures, problems, asserted, details, kills, samples)
+    return SoakReport(figures, problems, asserted, details, hits, samples)
+
+
+def resume_figures(
+    hits: Sequence[FaultRecord], samples: Sequence[Resume], left: Sequence[str]
+) -> dict[str, Any]:
+    """Faults of one kind: the jobs they caught, how soon those ran again (p50/p99/max
+    seconds from the signal, and the slowest of each fault), how many moved because a
+    lease ran out, and how many were never resumed."""
+    seconds = [r.seconds for r in samples]
+    slowest = {r.fault_time: r.seconds for r in sorted(samples, key=lambda r: r.seconds)}
+    return {
+        "faults": len(hits),
+        "jobs_held": sum(len(r.held) for r in hits),
+        "samples": len(samples),
+        "resumed_elsewhere": sum(r.resumed_on != r.replica for r in samples),
+        "after_lease_expiry": sum(r.lease_expired for r in samples),
+        "p50_s": _rounded(percentile(seconds, 50)),
+        "p99_s": _rounded(percentile(seconds, 99)),
+        "max_s": _rounded(max(seconds, default=None)),
+        # None for a fault whose jobs all ended before they were resumed.
+        "slowest_per_fault_s": [_rounded(slowest.get(r.started)) for r in hits],
+        "left": len(left),
+    }
 
 
 def _rounded(value: float | None) -> float | None:

@@ -8,7 +8,7 @@ breaks it on purpose:
 - a chaos soak: SIGKILL a random replica every 5-10 s for 30 s while
   80 jobs run and get preempted; every job ends in exactly one terminal status,
   no task attempt is launched twice, no cluster is left (`bench/chaos.py` runs
-  the same for 1,000 jobs and five minutes);
+  the same for 1,000 jobs, and SIGSTOPs replicas too);
 - SIGSTOP a replica past its lease, let its jobs move, SIGCONT it: nothing it
   says or does with its stale epochs is accepted, and the sim cloud never had to
   refuse a stale launch or terminate (the replica's own fencing stopped them);
