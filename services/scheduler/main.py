@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Sequence as Seq
 
@@ -143,6 +144,7 @@ class SchedulerApp:
         db_writers: int = 1,
         sqlite_synchronous: str = "full",
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = Database.open(
             database_url, writers=db_writers, sqlite_synchronous=sqlite_synchronous
@@ -166,6 +168,8 @@ class SchedulerApp:
             self.health,
             lease_ttl=lease_ttl,
             heartbeat_interval=heartbeat_interval,
+            clock=clock,
+            sleep=sleep,
         )
         self.reconcile_interval = reconcile_interval
         self._sleep = sleep
@@ -254,8 +258,9 @@ class SchedulerApp:
             self._reconciler.cancel()
             await asyncio.gather(self._reconciler, return_exceptions=True)
         await self.health.stop()
-        await self.server.stop(grace)
+        # The replicas' streams end first, as the scheduler's doing: they keep their jobs.
         await self.replicas.close()
+        await self.server.stop(grace)
         await self.deadlines.stop()
         await self.admission.stop()
         if self.store.analyzing is not None:
