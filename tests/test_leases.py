@@ -250,16 +250,11 @@ async def test_a_scheduler_shutting_down_leaves_the_replicas_their_jobs(
 ) -> None:
     """Its streams end as the scheduler's doing: the next scheduler finds the jobs still
     assigned, at the same epoch, for the replicas to announce again."""
-    app = SchedulerApp(database_url, Limits(), security=ServerSecurity.without_auth())
-    await app.start()
-    try:
-        async with replica_holding_a_job(app) as (replica, _, held):
-            await app.close()
-            assert replica.reader is not None
-            await asyncio.wait([replica.reader], timeout=10)
-            assert replica.reader.done()
-    finally:
+    async with scheduler(database_url) as app, replica_holding_a_job(app) as (replica, _, held):
         await app.close()
+        assert replica.reader is not None
+        await asyncio.wait([replica.reader], timeout=10)
+        assert replica.reader.done()
     async with (
         scheduler(database_url) as again,
         grpc.aio.insecure_channel(f"127.0.0.1:{again.server.port}") as channel,

@@ -175,6 +175,7 @@ class SchedulerApp:
         self._sleep = sleep
         self._reconcile_now = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
+        self._closed = False
         self.server = Server(host, port, security=security)
         self.job_api = JobApi(
             self.store,
@@ -254,6 +255,9 @@ class SchedulerApp:
         return await self.server.start()
 
     async def close(self, grace: float = 0.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._reconciler is not None:
             self._reconciler.cancel()
             await asyncio.gather(self._reconciler, return_exceptions=True)

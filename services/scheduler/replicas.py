@@ -543,6 +543,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         state.stale_reports = self.reports.refused_stale
         state.refused_hellos = self.refused_hellos
         state.invalid_reports = self.reports.refused_invalid
+        state.replayed_reports = self.reports.replayed
         state.database_reachable = self.health.ok
         state.watch_streams = self.store.bus.subscriptions
         counters = self.admission.counters
