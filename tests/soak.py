@@ -20,7 +20,6 @@ from typing import Any
 
 from faults import FaultKind, FaultRecord, FaultRunner, plan_kills
 from history import (
-    LEASE_EXPIRED_PREFIX,
     RESUMED_PREFIX,
     EventRecord,
     Kind,
@@ -48,6 +47,7 @@ from reliability import (
 from workload import Workload, plan_workload, run_problems
 
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
+from services.scheduler.replicas import LEASE_EXPIRED, STREAM_CLOSED
 from services.stack import Stack
 
 # What contract §16 promises of the soak (one terminal status, nothing redone, no duplicate
@@ -73,8 +73,10 @@ class Resume:
     killed: str
     seconds: float
     resumed_on: str
-    # True when the job moved because the lease expired, False when the restarted
-    # replica came back first (its hello no longer named the job).
+    # Why the job moved: the killed replica's stream closed (its lease ended at once),
+    # its lease expired, or neither (the restarted replica came back first, its hello
+    # no longer naming the job).
+    stream_closed: bool
     lease_expired: bool
 
 
@@ -110,7 +112,9 @@ def resumes(
                     )
                 continue
             resumed = after[resumed_index]
-            expired = any(e.message.startswith(LEASE_EXPIRED_PREFIX) for e in after[:resumed_index])
+            released = [e.message for e in after[:resumed_index]]
+            closed = STREAM_CLOSED.format(kill.target) in released
+            expired = LEASE_EXPIRED.format(kill.target) in released
             running = next(
                 (
                     e
@@ -128,6 +132,7 @@ def resumes(
                     killed=kill.target,
                     seconds=running.time - kill.started,
                     resumed_on=assignee(resumed),
+                    stream_closed=closed,
                     lease_expired=expired,
                 )
             )
@@ -246,6 +251,7 @@ def analyse_soak(
     samples, lost = resumes(kills, history.events)
     problems.extend(lost[:50])
     seconds = [r.seconds for r in samples]
+    after_close = [r.seconds for r in samples if r.stream_closed]
     after_expiry = [r.seconds for r in samples if r.lease_expired]
     statuses = collections.Counter(JobStatus(j.status).name for j in jobs)
     p50, p99 = percentile(seconds, 50), percentile(seconds, 99)
@@ -262,7 +268,11 @@ def analyse_soak(
         "resume_p99_seconds": _rounded(p99),
         "resume_max_seconds": _rounded(max(seconds) if seconds else None),
         "resume_target_seconds": config.lease_ttl + 2.0,
-        # Kills whose replica was still down when its lease ran out: the §15 figure proper.
+        # Jobs moved at once because the killed replica's stream closed.
+        "resume_after_stream_closed_samples": len(after_close),
+        "resume_after_stream_closed_p50_seconds": _rounded(percentile(after_close, 50)),
+        "resume_after_stream_closed_p99_seconds": _rounded(percentile(after_close, 99)),
+        # Jobs moved because the lease ran out (the stream stayed open, silent).
         "resume_after_expiry_samples": len(after_expiry),
         "resume_after_expiry_p50_seconds": _rounded(percentile(after_expiry, 50)),
         "resume_after_expiry_p99_seconds": _rounded(percentile(after_expiry, 99)),

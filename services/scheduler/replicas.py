@@ -84,6 +84,9 @@ MAX_BATCH = 512
 MAX_ADDRESS_CHARS = 256
 MAX_REGIONS = 1000
 MAX_REGION_CHARS = 128
+# Why a replica's jobs were released, as their events say (`.format(controller_id)`).
+LEASE_EXPIRED = "lease of {} expired"
+STREAM_CLOSED = "lease of {} ended: its stream closed"
 # A watchdog that wakes later than this after its deadline woke late: the event loop was
 # busy. It naps this long once more before it judges the lease.
 WATCHDOG_TICK = 0.1
@@ -247,11 +250,11 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         if lease.closed:
             log.warning("replica stream closed; releasing its jobs", extra={"controller_id": cid})
             metrics.stream_lost()
-            reason = f"lease of {cid} ended: its stream closed"
+            reason = STREAM_CLOSED.format(cid)
         else:
             log.warning("lease expired", extra={"controller_id": cid})
             metrics.lease_expired()
-            reason = f"lease of {cid} expired"
+            reason = LEASE_EXPIRED.format(cid)
         if self.leases.get(cid) is lease:
             del self.leases[cid]
         self.admission.gone(cid)
