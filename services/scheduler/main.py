@@ -299,7 +299,9 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
     try:
         port = await app.start()
         log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
-        await run_until_signal(app.server, a.shutdown_grace)
+        # The replicas' streams end before the server stops: as the scheduler's doing,
+        # which ends no lease (the replicas keep their jobs for the next scheduler).
+        await run_until_signal(app.server, a.shutdown_grace, drain=app.replicas.close)
     finally:
         await app.close()
 
