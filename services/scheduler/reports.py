@@ -145,7 +145,7 @@ class Reports:
                 # Its statements read or move rows earlier reports changed.
                 txn.write_back()
             job = _numbered_job(txn, controller_id, request)
-            if job is not None and request.seq <= job.report_seq:
+            if job is not None and 0 < request.seq <= job.report_seq:
                 txn.after.append(functools.partial(self._counted, kind, Refusal.NONE, True))
                 reason = f"a replay: report {request.seq} of job {job.id} was applied before"
                 applied.acks.append(
