@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
+from sqlalchemy import select
 from test_fuzz_reports import Fuzzer, Held, Replica, hello
 from waiting import reached, wait_for
 
@@ -30,9 +31,11 @@ from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.edge import ServerSecurity
+from services.common.statuses import ScheduleState as St
 from services.scheduler.admission import Limits
 from services.scheduler.main import SchedulerApp
-from services.scheduler.replicas import WATCHDOG_TICK
+from services.scheduler.models import EventRow
+from services.scheduler.replicas import LEASE_ENDED, WATCHDOG_TICK
 
 TTL = 10.0
 HEARTBEAT = 2.0
@@ -146,6 +149,30 @@ async def test_a_closed_streams_jobs_resume_elsewhere_at_once_with_the_next_epoc
         assert (await job(jobs, held.job_id)).controller_id == "controller-2"
         other.close()
         back.close()
+
+
+async def test_a_job_committed_to_a_replica_after_its_lease_ended_is_released_at_once(
+    database_url: str,
+) -> None:
+    """An admission pass planned while the replica was there commits after its lease ended
+    (here: one that never had a lease): nothing else would ever move the job."""
+    async with (
+        scheduler(database_url) as app,
+        grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel,
+    ):
+        jobs = job_service_pb2_grpc.JobServiceStub(channel)
+        submitted = await jobs.SubmitJob(jpb.SubmitJobRequest(spec_yaml="run: x\n"), timeout=10)
+        [move] = await app.store.move_many(
+            [submitted.job_id], St.WAITING, St.LAUNCHING, assign_to="controller-9"
+        )
+        assert move.new_controller == "controller-9"
+        released = await wait_for(
+            lambda: _released(jobs, submitted.job_id), what="the job released"
+        )
+        assert released.schedule_state == St.ALIVE
+        query = select(EventRow.message).where(EventRow.job_id == submitted.job_id)
+        messages = await app.store.read(lambda conn: conn.execute(query).scalars().all())
+        assert LEASE_ENDED.format("controller-9") in messages
 
 
 async def test_a_silent_replica_with_its_stream_open_keeps_its_jobs_until_the_ttl(

@@ -199,6 +199,7 @@ class SchedulerApp:
         self.counters.apply(moves)
         metrics.moved(moves)
         self.admission.moved(moves)
+        self.replicas.moved(moves)
 
     def reconcile_soon(self) -> None:
         self._reconcile_now.set()

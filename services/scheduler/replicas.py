@@ -75,7 +75,7 @@ from services.scheduler.admission import Admission
 from services.scheduler.health import DbHealth
 from services.scheduler.outbox import Outbox, Stream, TooLarge
 from services.scheduler.reports import Reports
-from services.scheduler.store import Store
+from services.scheduler.store import Move, Store
 
 log = logging.getLogger(__name__)
 St = ScheduleState
@@ -87,6 +87,7 @@ MAX_REGION_CHARS = 128
 # Why a replica's jobs were released, as their events say (`.format(controller_id)`).
 LEASE_EXPIRED = "lease of {} expired"
 STREAM_CLOSED = "lease of {} ended: its stream closed"
+LEASE_ENDED = "lease of {} had ended"
 # A watchdog that wakes later than this after its deadline woke late: the event loop was
 # busy. It naps this long once more before it judges the lease.
 WATCHDOG_TICK = 0.1
@@ -183,6 +184,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self.expired: list[tuple[str, float]] = []
         # The watchdogs releasing an ended lease's jobs now: a hello of that replica waits.
         self._ending: dict[str, asyncio.Task[None]] = {}
+        # Releases of jobs committed to a replica after its lease ended (see `moved`).
+        self._strays: set[asyncio.Task[None]] = set()
         self._closing = False
         # Hellos refused: a controller id not bound to the caller, or already streaming.
         self.refused_hellos = 0
@@ -272,6 +275,32 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             if self._ending.get(cid) is task:
                 del self._ending[cid]
 
+    def moved(self, moves: Sequence[Move]) -> None:
+        """Releases at once the jobs a commit left with a replica whose lease has ended (an
+        admission pass that planned before the lease ended): no lease of that replica will
+        end again to move them. A replica that reconnects gets a new lease first."""
+        if self._closing:
+            return
+        stray: dict[str, list[tuple[int, int]]] = {}
+        for move in moves:
+            cid = move.new_controller
+            if cid is not None and move.new != St.DONE and cid not in self.leases:
+                stray.setdefault(cid, []).append((move.job_id, move.epoch))
+        for cid, pairs in stray.items():
+            log.warning(
+                "jobs assigned to a replica whose lease had ended; releasing them",
+                extra={"controller_id": cid, "jobs": [j for j, _ in pairs][:20]},
+            )
+            task = asyncio.create_task(self._release_strays(cid, pairs))
+            self._strays.add(task)
+            task.add_done_callback(self._strays.discard)
+
+    async def _release_strays(self, cid: str, pairs: list[tuple[int, int]]) -> None:
+        await self.health.retry(
+            lambda: self.reports.release_replica(cid, pairs=pairs, reason=LEASE_ENDED.format(cid)),
+            limit=float("inf"),
+        )
+
     def restart_leases(self) -> None:
         """Gives every replica a full lease from now (after the database came back)."""
         for lease in self.leases.values():
@@ -285,6 +314,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         for lease in list(self.leases.values()):
             if lease.watchdog is not None:
                 lease.watchdog.cancel()
+        for task in list(self._strays):
+            task.cancel()
 
     # --- the stream ------------------------------------------------------------------------
 

@@ -223,12 +223,17 @@ class Reports:
         return Refusal.NONE, ""
 
     async def release_replica(
-        self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
+        self,
+        controller_id: str,
+        job_ids: Iterable[int] | None = None,
+        reason: str = "",
+        pairs: Sequence[tuple[int, int]] | None = None,
     ) -> list[Move]:
-        """Takes jobs (all, by default) away from a replica whose lease expired."""
+        """Takes jobs (all, by default; or these ids, or these (id, epoch) pairs) away from
+        a replica whose lease ended."""
 
         def body(txn: Txn) -> list[Move]:
-            release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
+            release(txn, controller_id, job_ids=job_ids, pairs=pairs, reason=reason or "released")
             return txn.moves
 
         return await self.store.transaction(body)
