@@ -8,7 +8,8 @@ ack; requests not yet acked when a stream breaks are sent again, in order and
 with their numbers, on the next one (`services/common/sequence.py`). Messages
 from the scheduler are numbered per stream: one received twice is dropped, and
 one past the next means a message went missing: the stream is given up for a
-fresh one, whose hello the scheduler reconciles with the database. While the
+fresh one (the scheduler takes back the jobs of a stream a replica closes, and
+reconciles the new hello with the database). While the
 stream is down for longer than the lease, `on_lease_lost` fires: the scheduler
 has given this replica's jobs away and the replica must stop acting for them.
 
