@@ -23,7 +23,6 @@ from typing import Any
 
 from harness.faults import FaultKind, FaultRecord, FaultRunner, plan_replica_faults
 from harness.history import (
-    LEASE_EXPIRED_PREFIX,
     RESUMED_PREFIX,
     EventRecord,
     Kind,
@@ -51,6 +50,7 @@ from harness.reliability import (
 from harness.workload import Workload, plan_workload, run_problems
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.launcher.stack import Stack
+from services.scheduler.replicas import LEASE_EXPIRED, STREAM_CLOSED
 
 # What contract §16 promises of the soak (one terminal status, nothing redone, no duplicate
 # launch, nothing left, counters equal to a recount); the other kinds are counted in
@@ -83,8 +83,10 @@ class Resume:
     replica: str
     seconds: float
     resumed_on: str
-    # True when the job moved because the lease expired; False when something else
-    # moved it first (its stream closed, or the restarted replica's hello did not name it).
+    # Why the job moved: the killed replica's stream closed (its lease ended at once),
+    # its lease expired, or neither (the restarted replica came back first, its hello
+    # no longer naming the job).
+    stream_closed: bool
     lease_expired: bool
 
 
@@ -121,7 +123,9 @@ def resumes(
                     )
                 continue
             resumed = after[resumed_index]
-            expired = any(e.message.startswith(LEASE_EXPIRED_PREFIX) for e in after[:resumed_index])
+            released = [e.message for e in after[:resumed_index]]
+            closed = STREAM_CLOSED.format(hit.target) in released
+            expired = LEASE_EXPIRED.format(hit.target) in released
             running = next(
                 (
                     e
@@ -139,6 +143,7 @@ def resumes(
                     replica=hit.target,
                     seconds=running.time - hit.started,
                     resumed_on=assignee(resumed),
+                    stream_closed=closed,
                     lease_expired=expired,
                 )
             )

@@ -11,8 +11,12 @@ jobs costs one commit. Each report is judged on its own inside the batch:
   that does not exist, a field out of range: an unknown status, a negative count,
   a time outside 1970-9999) is refused as INVALID (the replica ends the job
   FAILED_CONTROLLER rather than pretend it was moved away);
-- anything else is applied. Nothing is written for a refused report: every field
-  is checked (`checked`) before the first write.
+- a report about a job applied before (its number, `seq`, is not
+  above the job's `report_seq`: the replica sent it again on a new stream, its
+  ack lost with the old one) is acknowledged as a replay and not applied twice;
+- anything else is applied, and the job keeps its number in the same transaction.
+  Nothing is written for a refused report: every field is checked (`checked`)
+  before the first write.
 
 Texts a report carries (messages, reasons, a region) are made storable rather than
 refused (cut to their bounds, a NUL character replaced): a long message is no
@@ -95,6 +99,8 @@ UNFINISHED_TASKS = (
 ASSIGNMENT = select(JOBS.c.controller_id, JOBS.c.epoch, JOBS.c.schedule_state).where(
     JOBS.c.id == bindparam("job_id")
 )
+# The reports about one job, whose numbers the job keeps (a replay of one is not applied).
+NUMBERED = frozenset({"transition", "launch_slot_request", "launch_slot_release", "job_finished"})
 
 
 class Refusal(enum.IntEnum):
@@ -119,6 +125,7 @@ class Reports:
         self.store = store
         self.refused_stale = 0
         self.refused_invalid = 0
+        self.replayed = 0
 
     async def apply(
         self, controller_id: str, requests: Sequence[pb.ConnectControllerRequest]
@@ -134,13 +141,23 @@ class Reports:
         applied = Applied()
         _prefetch(txn, requests)
         for request in requests:
-            if request.WhichOneof("message") != "transition":
+            kind = request.WhichOneof("message") or "empty"
+            if kind != "transition":
                 # Its statements read or move rows earlier reports changed.
                 txn.write_back()
+            job = _numbered_job(txn, controller_id, request)
+            if job is not None and 0 < request.seq <= job.report_seq:
+                txn.after.append(functools.partial(self._counted, kind, Refusal.NONE, True))
+                reason = f"a replay: report {request.seq} of job {job.id} was applied before"
+                applied.acks.append(
+                    pb.ReportAck(ack_seq=request.seq, accepted=True, reason=reason, replay=True)
+                )
+                continue
             refusal, reason = self._one(txn, controller_id, request, applied)
             if refusal == Refusal.STALE:
                 applied.revokes.append(_job_of(request))
-            kind = request.WhichOneof("message") or "empty"
+            elif refusal == Refusal.NONE and job is not None:
+                job.report_seq = request.seq
             txn.after.append(functools.partial(self._counted, kind, refusal))
             applied.acks.append(
                 pb.ReportAck(
@@ -152,8 +169,11 @@ class Reports:
             )
         return applied
 
-    def _counted(self, kind: str, refusal: Refusal) -> None:
+    def _counted(self, kind: str, refusal: Refusal, replay: bool = False) -> None:
         """Counts a report once its batch committed (on the event loop)."""
+        if replay:
+            self.replayed += 1
+            metrics.replayed(kind)
         if refusal == Refusal.STALE:
             self.refused_stale += 1
         elif refusal == Refusal.INVALID:
@@ -165,6 +185,8 @@ class Reports:
     ) -> tuple[Refusal, str]:
         kind = request.WhichOneof("message")
         try:
+            if request.seq <= 0:
+                raise ValueError(f"seq: a report is numbered from 1, got {request.seq}")
             request = checked(request)
             if kind == "transition":
                 transition(txn, cid, request.transition)
@@ -202,12 +224,17 @@ class Reports:
         return Refusal.NONE, ""
 
     async def release_replica(
-        self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
+        self,
+        controller_id: str,
+        job_ids: Iterable[int] | None = None,
+        reason: str = "",
+        pairs: Sequence[tuple[int, int]] | None = None,
     ) -> list[Move]:
-        """Takes jobs (all, by default) away from a replica whose lease expired."""
+        """Takes jobs (all, by default; or these ids, or these (id, epoch) pairs) away from
+        a replica whose lease ended."""
 
         def body(txn: Txn) -> list[Move]:
-            release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
+            release(txn, controller_id, job_ids=job_ids, pairs=pairs, reason=reason or "released")
             return txn.moves
 
         return await self.store.transaction(body)
@@ -264,6 +291,8 @@ def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -> None
                 attempt_keys.add((t.job_id, t.task_id, t.attempt))
         elif kind == "job_finished":
             finished_ids.add(request.job_finished.job_id)
+        elif kind in NUMBERED:
+            job_ids.add(_job_of(request)[0])
     job_ids |= finished_ids
     if not job_ids:
         return
@@ -370,6 +399,18 @@ def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
     if job is None or job.epoch != epoch or job.controller_id != cid:
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return job
+
+
+def _numbered_job(txn: Txn, cid: str, request: pb.ConnectControllerRequest) -> Tracked | None:
+    """The job a report is about and keeps the number of, when the replica holds it (a
+    report about a job it does not hold is refused as stale)."""
+    if request.WhichOneof("message") not in NUMBERED:
+        return None
+    job_id, epoch = _job_of(request)
+    try:
+        return _held_job(txn, job_id, epoch, cid)
+    except StaleReport:
+        return None
 
 
 def _task(txn: Txn, job_id: int, task_id: int) -> Tracked | None:
