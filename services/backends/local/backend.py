@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -104,12 +103,12 @@ from services.backends.local.users import (
     parse_uid_range,
     parse_workdir_roots,
 )
+from services.common.bounds import CLOUD_NAME_RE
 
 log = logging.getLogger(__name__)
 
 LOCAL_REGION = "local"
 
-_CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Where `python -m services.backends.local.supervisor` can import this package from.
 _IMPORT_ROOT = Path(__file__).resolve().parents[2]
 _REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(TaskRequest))
@@ -178,7 +177,7 @@ class LocalBackend(Backend):
         Raises:
             PrecheckError: the name cannot be a folder name.
         """
-        if not _CLUSTER_NAME_RE.fullmatch(cluster_name):
+        if not CLOUD_NAME_RE.fullmatch(cluster_name):
             raise PrecheckError(f"invalid cluster name {cluster_name[:200]!r}")
         return ClusterLayout(self._root / cluster_name)
 

@@ -78,11 +78,11 @@ from services.backends.base import (
     TaskRequest,
     TaskStatus,
 )
+from services.common.bounds import CLOUD_NAME_RE
 from services.common.channels import ClientSecurity, open_channel
 from services.common.coalesce import Coalescer
 from services.common.errors import error_info
 from services.scheduler.spec.fields import NEVER
-from services.simcloud.bounds import NAME_RE
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def _launch_outcome(result: pb.LaunchResult) -> pb.LaunchResponse | BaseExceptio
 def _batchable(handle: ClusterHandle) -> str:
     """The cluster's name, for a batched call; a name the cloud would refuse is refused
     here, alone, rather than failing the batch it would have gone in."""
-    if not NAME_RE.fullmatch(handle.cluster_name):
+    if not CLOUD_NAME_RE.fullmatch(handle.cluster_name):
         raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
     return handle.cluster_name
 
@@ -393,7 +393,7 @@ class SimBackend(Backend):
         out: dict[str, Observation | BackendError] = {}
         names: list[str] = []
         for name in dict.fromkeys(handle.cluster_name for handle in handles):
-            if NAME_RE.fullmatch(name):
+            if CLOUD_NAME_RE.fullmatch(name):
                 names.append(name)
             else:
                 # Refused alone, rather than failing the call for every other cluster.

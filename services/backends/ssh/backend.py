@@ -39,10 +39,10 @@ from services.backends.ssh.state import (
     proves_down,
     task_end,
 )
+from services.common.bounds import CLOUD_NAME_RE
 
 log = logging.getLogger(__name__)
 
-_CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # How long `reachable` trusts the last answer from any host.
 _REACHABLE_FOR = 30.0
@@ -53,7 +53,7 @@ RankLook = RankState | HostUnreachable | BackendError
 
 
 def _check_request(request: TaskRequest) -> None:
-    if not _CLUSTER_NAME_RE.fullmatch(request.cluster_name):
+    if not CLOUD_NAME_RE.fullmatch(request.cluster_name):
         raise PrecheckError(f"invalid cluster name {request.cluster_name[:200]!r}")
     bad = [name for name in request.envs if not _ENV_NAME_RE.fullmatch(str(name))]
     if bad:
@@ -209,7 +209,7 @@ class SSHBackend(Backend):
         known = self._known(handle)
         if known is not None:
             return known
-        if not _CLUSTER_NAME_RE.fullmatch(handle.cluster_name):
+        if not CLOUD_NAME_RE.fullmatch(handle.cluster_name):
             return None
         found = (await self._resolve([handle.cluster_name]))[handle.cluster_name]
         if isinstance(found, BackendUnreachableError):
@@ -246,7 +246,7 @@ class SSHBackend(Backend):
             known = self._known(handle)
             if known is not None:
                 looks[handle.cluster_name] = known
-            elif _CLUSTER_NAME_RE.fullmatch(handle.cluster_name):
+            elif CLOUD_NAME_RE.fullmatch(handle.cluster_name):
                 lazy.append(handle.cluster_name)
             else:
                 looks[handle.cluster_name] = Observation(ClusterStatus.DOWN)
@@ -319,7 +319,7 @@ class SSHBackend(Backend):
         """
         self._start_reaper()
         name = handle.cluster_name
-        if not _CLUSTER_NAME_RE.fullmatch(name):
+        if not CLOUD_NAME_RE.fullmatch(name):
             return False
         known = self._known(handle)
         scans = await self._fleet.scan_all(names=[name], processes=True)
@@ -429,7 +429,7 @@ class SSHBackend(Backend):
                 what they hold of it is reaped once they answer again.)
         """
         self._start_reaper()
-        if not _CLUSTER_NAME_RE.fullmatch(cluster_name):
+        if not CLOUD_NAME_RE.fullmatch(cluster_name):
             return False
         scans = await self._fleet.scan_all(names=[cluster_name], processes=True)
         if any(isinstance(s, HostScan) and s.holds(cluster_name) for s in scans.values()):
