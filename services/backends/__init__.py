@@ -4,7 +4,8 @@
 package names it, its value types and errors, and the registry: each backend
 is one module plus one `BackendSpec` entry in `BACKENDS` (its name, where its
 class lives, imported only when used, and the settings it takes).
-`make_backend(name, settings)` builds one from the services' settings.
+`BACKEND` is the setting that picks one (`--backend`, MJ_BACKEND), and
+`make_backend(name, settings)` builds it from the services' settings.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ from services.backends.local.users import (
     run_as_setting,
     uid_range_setting,
 )
+from services.common.bounds import quote
 from services.common.settings import Setting
 
 __all__ = [
+    "BACKEND",
     "BACKENDS",
     "Backend",
     "BackendError",
@@ -196,6 +199,20 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
     )
 }
+
+
+def backend_name(text: str) -> str:
+    """A registered backend's name (`BACKENDS`)."""
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {quote(text)}; known backends: {', '.join(BACKENDS)}"
+        )
+    return text
+
+
+BACKEND = Setting(
+    "backend", "MJ_BACKEND", "local", "compute backend: local, sim or ssh", backend_name
+)
 
 
 def backend_settings() -> tuple[Setting, ...]:

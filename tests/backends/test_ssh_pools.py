@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.backends import (
+    BACKEND,
     ClusterStatus,
     Observation,
     PrecheckError,
@@ -20,7 +21,7 @@ from services.backends.ssh.config import Accelerators, load_node_pools, parse_no
 from services.backends.ssh.placement import Need, fits, parse_need, pools_to_try
 from services.backends.ssh.reaper import newest_launches, releases
 from services.backends.ssh.state import HostScan, RankState, Reservation, judge
-from services.common.settings import BACKEND, parse
+from services.common.settings import parse
 from services.launcher.stack import Stack
 from services.launcher.stack import main as stack_main
 
