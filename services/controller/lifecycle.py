@@ -59,11 +59,11 @@ from services.backends import (
     BackendUnreachableError,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     StaleEpochError,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     cluster_name,
 )
@@ -129,13 +129,13 @@ class CleanupFailed(Exception):
     """A cluster could not be terminated: resources may have leaked (FAILED_CONTROLLER)."""
 
 
-def task_request(
+def launch_plan(
     job_id: int, epoch: int, task: job_pb2.Task, secrets: Mapping[str, str] | None = None
-) -> TaskRequest:
+) -> LaunchPlan:
     """What to launch for a task attempt; its secrets join its envs only here."""
     spec = task.spec
     r = spec.resources
-    return TaskRequest(
+    return LaunchPlan(
         job_id=job_id,
         task_id=task.task_id,
         epoch=epoch,
@@ -152,7 +152,8 @@ def task_request(
         memory=r.memory,
         accelerators=r.accelerators,
         use_spot=r.use_spot,
-        sim=json.loads(spec.sim_json) if spec.sim_json else {},
+        # The spec's `sim` key: how the task behaves on the sim backend.
+        extensions={"sim": json.loads(spec.sim_json)} if spec.sim_json else {},
     )
 
 
@@ -315,7 +316,7 @@ class JobLifecycle:
                 return
 
     async def _run_task(self, state: TaskState) -> JobStatus:
-        request = task_request(
+        request = launch_plan(
             self.job.job_id, self.host.epoch, state.task, self._secrets.get(state.task_id)
         )
         strategy = strategy_for(
@@ -349,7 +350,7 @@ class JobLifecycle:
             await self.transition(state, S.FAILED_NO_RESOURCE, reason, failure_reason=reason)
         return state.status
 
-    async def _resume(self, state: TaskState, strategy: Strategy, request: TaskRequest) -> None:
+    async def _resume(self, state: TaskState, strategy: Strategy, request: LaunchPlan) -> None:
         """Takes a task up where a previous holder left it, from one look at its cluster.
 
         RUNNING: keep watching the same cluster. STARTING or RECOVERING: the
@@ -395,7 +396,7 @@ class JobLifecycle:
         self,
         state: TaskState,
         strategy: Strategy,
-        request: TaskRequest,
+        request: LaunchPlan,
         why: str,
         end: TaskEnd | None = None,
         silent: bool = False,
@@ -429,7 +430,7 @@ class JobLifecycle:
 
     # --- watching ----------------------------------------------------------------------------
 
-    async def _watch(self, state: TaskState, strategy: Strategy, request: TaskRequest) -> JobStatus:
+    async def _watch(self, state: TaskState, strategy: Strategy, request: LaunchPlan) -> JobStatus:
         while True:
             verdict = await self._until_verdict(state)
             assert state.handle is not None
@@ -598,7 +599,7 @@ class JobLifecycle:
         self,
         state: TaskState,
         strategy: Strategy,
-        request: TaskRequest,
+        request: LaunchPlan,
         handle: ClusterHandle,
         end: TaskEnd,
     ) -> JobStatus | None:
@@ -770,5 +771,5 @@ __all__ = [
     "TaskState",
     "Watcher",
     "cluster_name",
-    "task_request",
+    "launch_plan",
 ]

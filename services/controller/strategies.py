@@ -47,9 +47,9 @@ from services.backends import (
     BackendUnreachableError,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskRequest,
     TaskStatus,
 )
 from services.controller.config import LifecycleConfig
@@ -189,7 +189,7 @@ class Strategy(abc.ABC):
             return "recover"
         return ""
 
-    def for_recovery(self, request: TaskRequest, preemptions: int) -> TaskRequest:
+    def for_recovery(self, request: LaunchPlan, preemptions: int) -> LaunchPlan:
         """The request for the attempt after `preemptions` preemptions: on-demand once the
         policy says so."""
         after = self.policy.on_demand_after_preemptions
@@ -230,7 +230,7 @@ class Strategy(abc.ABC):
 
     async def launch(
         self,
-        request: TaskRequest,
+        request: LaunchPlan,
         regions: Sequence[str] = (),
         blocked: Sequence[str] = (),
         attempts: int = 0,
@@ -263,7 +263,7 @@ class Strategy(abc.ABC):
             self.note(f"{prefix}: launching {request.cluster_name}{_where(regions, blocked)}")
             counted = True
             try:
-                handle = await self.backend.launch(request, regions, blocked)
+                handle = await self.backend.launch(request.within(regions, blocked))
             except PrecheckError as error:
                 self.note(f"{prefix}: precheck failed, never retried: {error}")
                 raise
@@ -340,10 +340,10 @@ class Strategy(abc.ABC):
             self.note(f"terminating {handle.cluster_name} failed ({error}); retrying anyway")
 
     @abc.abstractmethod
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         """Relaunches a task whose cluster was lost (already terminated by the caller)."""
 
-    async def restart(self, request: TaskRequest, failed: ClusterHandle) -> ClusterHandle:
+    async def restart(self, request: LaunchPlan, failed: ClusterHandle) -> ClusterHandle:
         """Relaunches after user code failed on a healthy cluster: anywhere allowed."""
         self.note(f"task {request.task_id}: restarting after user code failed")
         return await self.launch(request)
@@ -352,7 +352,7 @@ class Strategy(abc.ABC):
 class Failover(Strategy):
     name = "FAILOVER"
 
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         if lost.region:
             self.note(f"task {request.task_id}: {self.name}: relaunching in {lost.region} first")
             try:
@@ -373,14 +373,14 @@ class NoRecovery(Strategy):
     def may_recover(self, recoveries_so_far: int) -> str:
         return "preempted, and the task's recovery strategy is NONE"
 
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         raise NoResources(self.may_recover(0))
 
 
 class EagerNextRegion(Strategy):
     name = "EAGER_NEXT_REGION"
 
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         if lost.region:
             self.note(
                 f"task {request.task_id}: {self.name}: relaunching outside {lost.region} first"

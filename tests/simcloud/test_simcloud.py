@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +24,12 @@ from services.backends import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     make_backend,
 )
@@ -414,9 +414,13 @@ async def operator(running: RunningCloud) -> AsyncIterator[pb_grpc.SimOperatorSe
         yield pb_grpc.SimOperatorServiceStub(channel)
 
 
-def task(job: int = 1, task_id: int = 0, epoch: int = 1, **kw: Any) -> TaskRequest:
+def task(
+    job: int = 1, task_id: int = 0, epoch: int = 1, sim: Mapping[str, Any] | None = None, **kw: Any
+) -> LaunchPlan:
     fields: dict[str, Any] = {"use_spot": True, **kw}
-    return TaskRequest(
+    if sim is not None:
+        fields["extensions"] = {"sim": sim}
+    return LaunchPlan(
         job_id=job, task_id=task_id, epoch=epoch, cluster_name=f"mj-{job}-{task_id}", **fields
     )
 

@@ -8,7 +8,7 @@ judge a cluster from its name alone:
 
     <root>/.state/     epochs, locks and the uid hand-out (`local_fencing`), owner only
     <root>/<name>/     the cluster, root's, mode 0711 (`local_users` on who may enter)
-      task.json          the TaskRequest, launch_id and run_as, written by `launch`
+      task.json          the launch plan, launch_id and run_as, written by `launch`
       status.json        {"status", "exit_codes", "exit_code", "start_time",
                          "end_time", "pid", "stop"}, replaced atomically by the supervisor
       supervisor.pid     the supervisor's pid, written once status.json exists
@@ -69,10 +69,10 @@ from services.backends.base import (
     Backend,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskRequest,
     TaskStatus,
 )
 from services.backends.local import logs as local_logs
@@ -111,7 +111,13 @@ LOCAL_REGION = "local"
 
 # Where `python -m services.backends.local.supervisor` can import this package from.
 _IMPORT_ROOT = Path(__file__).resolve().parents[2]
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(TaskRequest))
+# What task.json keeps of a launch plan: the attempt and what its supervisor runs (not
+# where it may go, nor other backends' options).
+_TASK_FIELDS = tuple(
+    f.name
+    for f in dataclasses.fields(LaunchPlan)
+    if f.name not in ("candidate_regions", "blocked_regions", "extensions")
+)
 
 
 class LocalBackend(Backend):
@@ -213,12 +219,7 @@ class LocalBackend(Backend):
             return None
         return proc
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         """Creates the cluster folder and starts its supervisor.
 
         A cluster of the same name that still exists (a relaunch after preemption)
@@ -232,32 +233,30 @@ class LocalBackend(Backend):
                 supervisor did not come up (regions_tried is ["local"]).
             StaleEpochError: a newer epoch of the job has been seen.
         """
-        if request.region not in ("", LOCAL_REGION):
+        if plan.region not in ("", LOCAL_REGION):
             raise PrecheckError(
-                f"the local backend has only region {LOCAL_REGION!r}, not {request.region!r}"
+                f"the local backend has only region {LOCAL_REGION!r}, not {plan.region!r}"
             )
-        candidates = {region or LOCAL_REGION for region in candidate_regions}
+        candidates = {region or LOCAL_REGION for region in plan.candidate_regions}
         if candidates and LOCAL_REGION not in candidates:
             raise PrecheckError(
                 f"the local backend has only region {LOCAL_REGION!r}; "
                 f"candidates were {sorted(candidates)}"
             )
-        if request.num_nodes < 1:
-            raise PrecheckError(f"num_nodes must be >= 1, not {request.num_nodes}")
-        layout = self.layout(request.cluster_name)
-        workdir = await asyncio.to_thread(self._confinement.resolve_workdir, request.workdir)
-        if LOCAL_REGION in blocked_regions:
+        if plan.num_nodes < 1:
+            raise PrecheckError(f"num_nodes must be >= 1, not {plan.num_nodes}")
+        layout = self.layout(plan.cluster_name)
+        workdir = await asyncio.to_thread(self._confinement.resolve_workdir, plan.workdir)
+        if LOCAL_REGION in plan.blocked_regions:
             raise ResourcesUnavailableError(
                 f"region {LOCAL_REGION!r} is blocked", regions_tried=[LOCAL_REGION]
             )
         await asyncio.to_thread(self._prepare)
-        task = _task_record(request)
+        task = _task_record(plan)
         seen = _launch_id(read_json(layout.task_file))
 
-        async with self._fence.cluster_lock(request.cluster_name):
-            await asyncio.to_thread(
-                self._fence.admit, request.job_id, request.epoch, action="launch"
-            )
+        async with self._fence.cluster_lock(plan.cluster_name):
+            await asyncio.to_thread(self._fence.admit, plan.job_id, plan.epoch, action="launch")
             current = read_json(layout.task_file)
             if _launch_id(current) not in (None, seen) and _same_task(current, task):
                 # Another launch of this very attempt finished while we waited.
@@ -268,7 +267,7 @@ class LocalBackend(Backend):
             starting = asyncio.ensure_future(asyncio.to_thread(self._start, layout, task, workdir))
             try:
                 proc = await asyncio.shield(starting)
-                self._procs[request.cluster_name] = proc
+                self._procs[plan.cluster_name] = proc
                 await self._await_supervisor(layout, proc)
             except BaseException:
                 # Leave nothing half-launched behind, even when cancelled.
@@ -578,10 +577,9 @@ class LocalBackend(Backend):
         return self._root.is_dir() and os.access(self._root, os.W_OK | os.X_OK)
 
 
-def _task_record(request: TaskRequest) -> dict[str, Any]:
-    task = {name: getattr(request, name) for name in _REQUEST_FIELDS}
-    task["envs"] = {str(k): str(v) for k, v in request.envs.items()}
-    task["sim"] = dict(request.sim)
+def _task_record(plan: LaunchPlan) -> dict[str, Any]:
+    task = {name: getattr(plan, name) for name in _TASK_FIELDS}
+    task["envs"] = {str(k): str(v) for k, v in plan.envs.items()}
     task["launch_id"] = uuid.uuid4().hex
     return task
 
@@ -594,7 +592,7 @@ def _launch_id(task: Any) -> str | None:
 def _same_task(current: Any, task: Mapping[str, Any]) -> bool:
     """Whether task.json's content `current` is the attempt `task` describes."""
     return isinstance(current, dict) and all(
-        current.get(name) == task[name] for name in _REQUEST_FIELDS
+        current.get(name) == task[name] for name in _TASK_FIELDS
     )
 
 

@@ -2,10 +2,10 @@
 
 Clusters live in the sim cloud process, so every controller replica and the
 logs service see the same ones; a cluster is found by its name alone. The task
-a cluster runs behaves as the spec's `sim` key says (runtime_seconds,
-setup_seconds, exit_code, exit_code_runs, setup_exit_code, log_lines,
-preempt_after_seconds, sigterm_exit_seconds; defaults in
-services/simcloud/clusters.py), and `run` and `setup` are never executed.
+a cluster runs behaves as the launch plan's "sim" options (the spec's `sim`
+key) say: runtime_seconds, setup_seconds, exit_code, exit_code_runs,
+setup_exit_code, log_lines, preempt_after_seconds, sigterm_exit_seconds
+(defaults in services/simcloud/clusters.py); `run` and `setup` are never executed.
 
 Errors from the cloud map onto the backend's: RESOURCE_EXHAUSTED ->
 `ResourcesUnavailableError` (regions_tried from the ErrorInfo metadata),
@@ -70,12 +70,12 @@ from services.backends.base import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
 )
 from services.common.bounds import CLOUD_NAME_RE
@@ -158,16 +158,14 @@ def _batchable(handle: ClusterHandle) -> str:
     return handle.cluster_name
 
 
-def launch_request(
-    request: TaskRequest, candidate_regions: Sequence[str], blocked_regions: Sequence[str]
-) -> pb.LaunchRequest:
-    """The Launch call for a task attempt.
+def launch_request(plan: LaunchPlan) -> pb.LaunchRequest:
+    """The Launch call for a launch plan; the task behaves as its `sim` options say.
 
     Raises:
-        PrecheckError: the `sim` settings cannot be read.
+        PrecheckError: the `sim` options cannot be read.
     """
-    sim = request.sim
-    behavior = pb.TaskBehavior(has_setup=bool(request.setup.strip()))
+    sim = plan.extension(SimBackend.name)
+    behavior = pb.TaskBehavior(has_setup=bool(plan.setup.strip()))
     try:
         if "runtime_seconds" in sim:
             behavior.runtime_seconds = float(sim["runtime_seconds"])
@@ -187,22 +185,22 @@ def launch_request(
     except (TypeError, ValueError) as exc:
         raise PrecheckError(f"sim: {exc}") from exc
     return pb.LaunchRequest(
-        cluster_name=request.cluster_name,
-        job_id=request.job_id,
-        task_id=request.task_id,
-        epoch=request.epoch,
+        cluster_name=plan.cluster_name,
+        job_id=plan.job_id,
+        task_id=plan.task_id,
+        epoch=plan.epoch,
         resources=pb.Resources(
-            cloud=request.cloud,
-            region=request.region,
-            zone=request.zone,
-            cpus=request.cpus,
-            memory=request.memory,
-            accelerators=request.accelerators,
-            use_spot=request.use_spot,
-            num_nodes=request.num_nodes,
+            cloud=plan.cloud,
+            region=plan.region,
+            zone=plan.zone,
+            cpus=plan.cpus,
+            memory=plan.memory,
+            accelerators=plan.accelerators,
+            use_spot=plan.use_spot,
+            num_nodes=plan.num_nodes,
         ),
-        candidate_regions=list(candidate_regions),
-        blocked_regions=list(blocked_regions),
+        candidate_regions=list(plan.candidate_regions),
+        blocked_regions=list(plan.blocked_regions),
         behavior=behavior,
     )
 
@@ -296,14 +294,9 @@ class SimBackend(Backend):
             self._stub = pb_grpc.SimCloudServiceStub(self._channel)
         return self._stub
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         """Launches in the sim cloud; returns once the cluster is UP and its task started."""
-        call = launch_request(request, candidate_regions, blocked_regions)
+        call = launch_request(plan)
         if call.ByteSize() > LAUNCH_ALONE_BYTES:
             try:
                 reply = await self._cloud().Launch(call, timeout=self._launch_timeout)

@@ -18,11 +18,11 @@ from services.backends.base import (
     BackendUnreachableError,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
-    TaskRequest,
 )
 from services.backends.ssh import logs, reaper
 from services.backends.ssh.config import NodePool, load_node_pools
@@ -52,10 +52,10 @@ _REAP_MARGIN = 60.0
 RankLook = RankState | HostUnreachable | BackendError
 
 
-def _check_request(request: TaskRequest) -> None:
-    if not CLOUD_NAME_RE.fullmatch(request.cluster_name):
-        raise PrecheckError(f"invalid cluster name {request.cluster_name[:200]!r}")
-    bad = [name for name in request.envs if not _ENV_NAME_RE.fullmatch(str(name))]
+def _check_plan(plan: LaunchPlan) -> None:
+    if not CLOUD_NAME_RE.fullmatch(plan.cluster_name):
+        raise PrecheckError(f"invalid cluster name {plan.cluster_name[:200]!r}")
+    bad = [name for name in plan.envs if not _ENV_NAME_RE.fullmatch(str(name))]
     if bad:
         raise PrecheckError(f"envs: {str(bad[0])[:200]!r} is not an environment variable name")
 
@@ -116,39 +116,34 @@ class SSHBackend(Backend):
 
     # --- launch -------------------------------------------------------------------------------
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         """Reserves `num_nodes` free fitting hosts of one pool and starts every rank there
         (see `launch`); returns once every rank's runner runs.
 
         Raises:
-            PrecheckError: the request can never launch (see `placement`).
+            PrecheckError: the plan can never launch (see `placement`).
             ResourcesUnavailableError: no pool has enough free fitting hosts now.
             StaleEpochError: a newer epoch of the job launched already.
             BackendUnreachableError: a host stopped answering during the launch.
         """
         self._start_reaper()
-        _check_request(request)
-        need = parse_need(request)
-        plan = pools_to_try(self._fleet.pools, request, need, candidate_regions, blocked_regions)
-        workdir = await asyncio.to_thread(_existing_workdir, request.workdir)
-        refuse_stale(request, self._epochs.get(request.job_id, 0), "this replica")
-        self._epochs[request.job_id] = request.epoch
-        launcher = Launcher(self._fleet, request, plan, need, workdir, self._launch_timeout)
+        _check_plan(plan)
+        need = parse_need(plan)
+        pools = pools_to_try(self._fleet.pools, plan, need)
+        workdir = await asyncio.to_thread(_existing_workdir, plan.workdir)
+        refuse_stale(plan, self._epochs.get(plan.job_id, 0), "this replica")
+        self._epochs[plan.job_id] = plan.epoch
+        launcher = Launcher(self._fleet, plan, pools, need, workdir, self._launch_timeout)
         try:
             async with asyncio.timeout(self._launch_timeout):
                 made = await launcher.run()
         except TimeoutError:
             raise ResourcesUnavailableError(
-                f"launching {request.cluster_name} took over {self._launch_timeout:g}s",
-                regions_tried=[pool.name for pool, _ in plan],
+                f"launching {plan.cluster_name} took over {self._launch_timeout:g}s",
+                regions_tried=[pool.name for pool, _ in pools],
             ) from None
         except HostUnreachable as exc:
-            raise self._fleet.unreachable([exc], f"launching {request.cluster_name}") from None
+            raise self._fleet.unreachable([exc], f"launching {plan.cluster_name}") from None
         self._launches[made.name] = made
         return made.handle()
 
