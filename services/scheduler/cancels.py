@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import ColumnElement, and_, select, true, update
 
+from services.common.event_messages import CANCEL_REQUESTED, CANCELLED_BEFORE_START
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.id_lists import in_ids
@@ -30,8 +31,6 @@ from services.scheduler.store import Move, Store, Txn, set_task_statuses
 
 S = JobStatus
 St = ScheduleState
-CANCEL_REQUESTED = "cancel requested"
-CANCELLED_BEFORE_START = "cancelled before start"
 
 
 @dataclasses.dataclass(frozen=True)

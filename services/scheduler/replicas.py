@@ -47,6 +47,7 @@ from services.common.errors import (
     InvalidArgument,
     rpc_errors,
 )
+from services.common.event_messages import NO_LONGER_RUNS_IT, lease_expired
 from services.common.statuses import ScheduleState
 from services.scheduler import metrics
 from services.scheduler.admission import Admission
@@ -197,7 +198,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         self.outbox.detach(cid, lease.stream)
         self.expired.append((cid, self.clock()))
         await self.health.retry(
-            lambda: self.reports.release_replica(cid, reason=f"lease of {cid} expired"),
+            lambda: self.reports.release_replica(cid, reason=lease_expired(cid)),
             limit=float("inf"),
         )
 
@@ -304,7 +305,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 self.outbox.revoke(cid, job_id, epoch)
         lost = [job_id for job_id, epoch in truth.items() if held.get(job_id) != epoch]
         if lost:
-            await self.reports.release_replica(cid, lost, reason="the replica no longer runs it")
+            await self.reports.release_replica(cid, lost, reason=NO_LONGER_RUNS_IT)
         kept = [job_id for job_id, epoch in truth.items() if held.get(job_id) == epoch]
         stream.sent.update({job_id: truth[job_id] for job_id in kept})
         for job in await self.store.get_jobs(kept):

@@ -40,6 +40,7 @@ from sqlalchemy import bindparam, select, update
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
 from services.common.errors import bound
+from services.common.event_messages import RELEASED, handed_back
 from services.common.statuses import (
     FAILED_GROUP,
     TERMINAL,
@@ -191,7 +192,7 @@ class Reports:
                 finish(txn, cid, r3.job_id, r3.epoch, r3.failure_reason)
             elif kind == "job_handback":
                 pairs = [(h.job_id, h.epoch) for h in request.job_handback.jobs]
-                release(txn, cid, pairs=pairs, reason=f"handed back by {cid}")
+                release(txn, cid, pairs=pairs, reason=handed_back(cid))
             else:
                 return Refusal.INVALID, f"a {kind or 'empty'} message is not a report"
         except StaleReport as stale:
@@ -206,7 +207,7 @@ class Reports:
         """Takes jobs (all, by default) away from a replica whose lease expired."""
 
         def body(txn: Txn) -> list[Move]:
-            release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
+            release(txn, controller_id, job_ids=job_ids, reason=reason or RELEASED)
             return txn.moves
 
         return await self.store.transaction(body)

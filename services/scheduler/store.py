@@ -41,6 +41,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.event_messages import SUBMITTED
 from services.common.statuses import (
     TASK_TRANSITIONS,
     IllegalTransition,
@@ -82,10 +83,6 @@ ANALYZE = "ANALYZE jobs, tasks, attempts, events"
 S = JobStatus
 St = ScheduleState
 ALIVE_LIST = (St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING)
-# Event messages other parts of the system (and the history checker) rely on.
-SUBMITTED = "submitted"
-ADMITTED_ON = "admitted on "
-RESUMED_ON = "resumed on "
 
 
 def utcnow() -> dt.datetime:
