@@ -589,7 +589,7 @@ def release(
         )
     for job_id, epoch, old, new, status, task in released:
         shown = S.RECOVERING if job_id in recovering and status == S.STARTING else status
-        txn.event(job_id, task, shown, new, reason)
+        txn.event(job_id, task, shown, new, reason, epoch)
         txn.moves.append(Move(job_id, cid, None, epoch, old, new))
 
 
