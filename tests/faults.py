@@ -274,7 +274,7 @@ class FaultRunner:
         elif kind == FaultKind.RESTART_SCHEDULER:
             crash = fault.pick % 2 == 1
             record.detail = "SIGKILL" if crash else "SIGTERM"
-            self.stack.scheduler.restart(timeout=60, kill=crash)
+            self.client.restart_scheduler(kill=crash)
         elif kind == FaultKind.DATABASE_OUTAGE:
             assert self.database is not None
             self.database.stop()

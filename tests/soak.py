@@ -20,8 +20,6 @@ from typing import Any
 
 from faults import FaultKind, FaultRecord, FaultRunner, plan_kills
 from history import (
-    LEASE_EXPIRED_PREFIX,
-    RESUMED_PREFIX,
     EventRecord,
     Kind,
     Violation,
@@ -47,6 +45,7 @@ from reliability import (
 )
 from workload import Workload, plan_workload, run_problems
 
+from services.common.event_messages import LEASE_EXPIRED_PREFIX, RESUMED_ON
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.stack import Stack
 
@@ -98,7 +97,7 @@ def resumes(
         for job_id in kill.held:
             after = [e for e in by_job.get(job_id, []) if e.time >= kill.started]
             resumed_index = next(
-                (i for i, e in enumerate(after) if e.message.startswith(RESUMED_PREFIX)), None
+                (i for i, e in enumerate(after) if e.message.startswith(RESUMED_ON)), None
             )
             done_index = next(
                 (i for i, e in enumerate(after) if e.schedule_state == ScheduleState.DONE), None
@@ -239,7 +238,7 @@ def analyse_soak(
     problems.extend(job_problems(jobs, workload.cancelled)[:50])
     # Once drained, nothing is in flight: the counters must equal a recount.
     snapshot = counter_snapshot(client, db, "after the drain")
-    history = collect_history(client, db, workload.job_ids.values(), [snapshot])
+    history = collect_history(client, db, workload.job_ids.values(), [snapshot], workload.tasks())
     violations = check(history)
     asserted = [v for v in violations if v.kind in SOAK_KINDS]
     kills = [r for r in chaos.records if r.kind == FaultKind.KILL_REPLICA]
@@ -268,6 +267,7 @@ def analyse_soak(
         "resume_after_expiry_p99_seconds": _rounded(percentile(after_expiry, 99)),
         **cloud_figures(client),
         "recoveries": sum(j.recovery_count for j in jobs),
+        "counter_corrections": history.counter_corrections,
         "cancel_requests": len(workload.cancelled),
         "statuses": dict(sorted(statuses.items())),
         "stale_reports_refused": stale_reports_refused(stack),
