@@ -8,7 +8,8 @@ steady rate with idempotency keys, a random replica SIGKILLed at seeded random
 intervals and restarted with the same id after a seeded random delay. Once every
 job is DONE it judges the run's durable record with the history checker
 (`tests/history.py`: one terminal status per job, no finished task redone, no
-duplicate launch, no cluster left; the other kinds counted) and records one JSON
+duplicate launch, no cluster left, counters equal to a recount and never corrected
+by the scheduler's reconcile; the other kinds counted) and records one JSON
 line (`results.py`): the figures (resume latency after a kill, p50 and p99, against
 the "replica killed -> its jobs resumed" row of contract §15; kills, preemptions,
 recoveries), the problems found, and the machine. Exits 1 when it found a problem.

@@ -50,8 +50,8 @@ from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.stack import Stack
 
 # What contract §16 promises of the soak (one terminal status, nothing redone, no duplicate
-# launch, nothing left, counters equal to a recount); the other kinds are counted in
-# its figures.
+# launch, nothing left, counters equal to a recount and never corrected); the other kinds
+# are counted in its figures.
 SOAK_KINDS = frozenset(
     {
         Kind.TERMINAL_STATUS,
