@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import grpc  # noqa: E402
 from fuzz_system import Fuzzer, fuzzing_system  # noqa: E402
-from fuzzing import Attempt, attempts, explore  # noqa: E402
+from fuzzing import Attempt, attempts, explore, fuzz_seed  # noqa: E402
 from identities import make_identities  # noqa: E402
 from machine import machine  # noqa: E402
 from results import record  # noqa: E402
@@ -84,6 +84,7 @@ class LoggedErrors(logging.Handler):
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = [m for m in POLICY if args.methods in m]
+    seed = fuzz_seed() if args.seed is None else args.seed
     logged = LoggedErrors()
     logging.getLogger().addHandler(logged)
     report: dict[str, dict[str, Any]] = {}
@@ -105,7 +106,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     examples=args.examples,
                     budget=args.seconds,
                     shrink=False,
-                    seed=args.seed,
+                    seed=seed,
                 )
                 report[method.strip("/")] = {
                     "examples": ran,
@@ -117,6 +118,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "fuzz",
         "examples_per_rpc": args.examples,
         "seconds_per_rpc": args.seconds,
+        "seed": seed,
         "database": "postgresql" if args.database_url.startswith("postgres") else "sqlite",
         "rpcs": report,
         "problems_total": len(problems),
@@ -135,7 +137,12 @@ def main() -> None:
         "--database-url", default="", help="the scheduler's database (default: SQLite)"
     )
     parser.add_argument("--methods", default="", help="only RPCs whose name contains this")
-    parser.add_argument("--seed", type=int, default=None, help="hypothesis seed")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="hypothesis seed (default: MJ_FUZZ_SEED, else a fresh one)",
+    )
     args = parser.parse_args()
     record("fuzz", asyncio.run(run(args)))
 

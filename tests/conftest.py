@@ -125,7 +125,8 @@ def store(database: Database, bus: EventBus) -> Store:
     return Store(database, bus)
 
 
-# Under CI, hypothesis runs the same examples every time, so a red run is reproducible.
+# Under CI, hypothesis runs the same examples every time, so a red run is reproducible;
+# the fuzzers (tests/fuzzing.py `explore`) instead draw a fresh seed each run and name it.
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
 if IN_CI:
     hypothesis_settings.load_profile("ci")

@@ -18,6 +18,9 @@ is up, DEADLINE_EXCEEDED on a call that should not wait, an error without an
 ErrorInfo or with a bare status name as its reason, a message longer than the
 bounds or quoting more than 200 characters of the input. The fuzz tests and
 `bench/fuzz.py` share all of it.
+
+`explore` runs a strategy under a seed: each run draws a fresh one (`fuzz_seed`), so
+runs differ, and a failure names it: `MJ_FUZZ_SEED=N` draws the same examples again.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import os
+import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -52,6 +57,8 @@ UNARY_DEADLINE = 5.0
 # Requests stay under the servers' 4 MiB limit: a bigger one only tests gRPC.
 MAX_REQUEST_BYTES = 3 * 1024 * 1024
 MAX_DEPTH = 3
+# The environment variable that fixes the seed of the fuzzers' examples.
+SEED_VARIABLE = "MJ_FUZZ_SEED"
 STATUS_NAMES = frozenset(code.name for code in grpc.StatusCode)
 STREAMS = frozenset(
     m
@@ -494,7 +501,9 @@ def problems(attempt: Attempt, outcome: Outcome) -> list[str]:
         found.append(f"{code.name} with reason {outcome.reason!r}, not a domain reason")
     if len(outcome.details.encode()) > MAX_MESSAGE_BYTES:
         found.append(f"{code.name}: a message of {len(outcome.details.encode())} bytes")
-    for text in (s for r in attempt.requests for s in _strings_in(r)):
+    # Only a message longer than the limit can quote more than it.
+    texts = (s for r in attempt.requests for s in _strings_in(r))
+    for text in texts if len(outcome.details) > QUOTE_LIMIT else ():
         if len(text) > QUOTE_LIMIT and text[: QUOTE_LIMIT + 1] in outcome.details:
             found.append(f"{code.name}: the message quotes more than {QUOTE_LIMIT} characters")
             break
@@ -504,24 +513,30 @@ def problems(attempt: Attempt, outcome: Outcome) -> list[str]:
 # --- running ----------------------------------------------------------------------------------
 
 
+def fuzz_seed() -> int:
+    """The seed of this run's examples: `MJ_FUZZ_SEED` when set, else a fresh one."""
+    given = os.environ.get(SEED_VARIABLE, "").strip()
+    return int(given) if given else random.SystemRandom().randrange(2**32)
+
+
 def explore(
     strategy: Strategy,
     check: Callable[[Any], Awaitable[list[str]]],
     loop: asyncio.AbstractEventLoop,
     *,
     examples: int,
-    budget: float,
+    seed: int,
+    budget: float | None = None,
     shrink: bool = True,
-    seed: int | None = None,
 ) -> int:
     """Runs hypothesis over `strategy` in this (worker) thread; each example is checked by
     the coroutine `check` on `loop`, where the servers run, and fails if it lists problems.
 
-    Examples are drawn until `examples` ran or `budget` seconds passed since the first
-    (those left are skipped); once one failed, the budget no longer applies, so hypothesis
-    can shrink it. Under the `ci` profile the examples are the same on every run.
-
-    `seed` fixes hypothesis's random choices (the `ci` profile derandomizes anyway).
+    `seed` decides the examples (never the `ci` profile's derandomizing): the same seed
+    draws the same ones, and a failure says `MJ_FUZZ_SEED=seed`. Examples are drawn until
+    `examples` ran or, given a `budget`, that many seconds passed since the first (those
+    left are skipped); once one failed, the budget no longer applies, so hypothesis can
+    shrink it.
 
     Returns:
         How many examples ran.
@@ -531,8 +546,10 @@ def explore(
     failed = False
     phases = list(Phase) if shrink else [Phase.explicit, Phase.generate]
 
+    @hypothesis_seed(seed)
     @settings(
         max_examples=examples,
+        derandomize=False,
         deadline=None,
         database=None,
         phases=phases,
@@ -542,12 +559,16 @@ def explore(
     def one(example: Any) -> None:
         nonlocal started, ran, failed
         started = started or time.monotonic()
-        if not failed and time.monotonic() - started > budget:
+        if not failed and budget is not None and time.monotonic() - started > budget:
             return
         ran += 1
         found = asyncio.run_coroutine_threadsafe(check(example), loop).result(120)
         failed = failed or bool(found)
         assert not found, f"{example!r}: {found}"
 
-    (one if seed is None else hypothesis_seed(seed)(one))()
+    try:
+        one()
+    except Exception as error:
+        error.add_note(f"{SEED_VARIABLE}={seed} draws these examples again")
+        raise
     return ran

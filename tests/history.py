@@ -26,7 +26,9 @@ What the checker relies on (the event log's contract, contract §4, §5, §8, §
   event whose message is one of `RELEASE_PREFIXES`, with the epoch released;
 - an accepted cancel of a job not DONE writes `cancel requested` (or `cancelled
   before start` when no replica had taken the job), at epoch 0;
-- the job's end is the (one) event with schedule state DONE;
+- the job's end is the (one) event with schedule state DONE, naming the task the
+  job shows; just before it, in its transaction, each other task the end moved has
+  an event of its own (with the end's message and epoch);
 - every other event the scheduler makes (of jobs no replica holds) carries epoch 0.
 
 Every message the checker reads meaning from is imported from the product's own
@@ -133,22 +135,6 @@ def is_cancel(event: EventRecord) -> bool:
 
 def is_cleanup_failure(event: EventRecord) -> bool:
     return event.message.startswith(CLEANUP_FAILED)
-
-
-def ends_unstarted(event: EventRecord) -> bool:
-    """The scheduler ending a job no replica took (a cancel before start, max_pending): an
-    epoch-0 event of a DONE job whose task it records CANCELLED or FAILED_NO_RESOURCE."""
-    return event.epoch == 0 and event.schedule_state == St.DONE and event.status in UNSTARTED_ENDS
-
-
-def carries_status(event: EventRecord) -> bool:
-    """Whether the event's status is its task's own: a replica's report (or its job's end,
-    or a move of its launch slot, made at its epoch), or the scheduler's end of a job no
-    replica took. The scheduler's other events (assignments, releases, its epoch-0
-    events) echo the job's status as it read it, which `stale_scheduler_write` judges."""
-    if event.epoch > 0:
-        return not is_assignment(event) and not is_release(event)
-    return ends_unstarted(event)
 
 
 def assignee(event: EventRecord) -> str:
@@ -371,9 +357,9 @@ class JobLog:
         self.job_id = job_id
         self.events = list(events)
         self.end = next((e for e in self.events if e.schedule_state == St.DONE), None)
-        # The last event of the end's transaction (its events share one time): the end
-        # may close other tasks with events of their own, written next to it.
-        self.end_id = self._end_of_transaction()
+        # The end's transaction: the end and, just before it, the events of the other
+        # tasks it moved (they share its time).
+        self.closing = self._closing()
         # As many tasks as the client submitted, else as many as the log names.
         named = max((e.task_id for e in self.events), default=0) + 1
         self.num_tasks = num_tasks or named
@@ -385,16 +371,31 @@ class JobLog:
         self.violations: list[Violation] = []
         self._read(t)
 
-    def _end_of_transaction(self) -> int:
+    def _closing(self) -> set[int]:
         if self.end is None:
-            return 0
-        last = self.end.event_id
-        for e in self.events:
-            if e.event_id > last and e.time == self.end.time:
-                last = e.event_id
-            elif e.event_id > last:
+            return set()
+        ids = {self.end.event_id}
+        for e in reversed([e for e in self.events if e.event_id < self.end.event_id]):
+            if e.time != self.end.time:
                 break
-        return last
+            ids.add(e.event_id)
+        return ids
+
+    def ends_unstarted(self, e: EventRecord) -> bool:
+        """Whether the event is the scheduler's end of the job no replica took (a cancel
+        before start, max_pending): of the end's transaction, at epoch 0, recording a
+        task CANCELLED or FAILED_NO_RESOURCE."""
+        return e.epoch == 0 and e.event_id in self.closing and e.status in UNSTARTED_ENDS
+
+    def carries_status(self, e: EventRecord) -> bool:
+        """Whether the event's status is its task's own: a replica's report (or its job's
+        end, or a move of its launch slot, made at its epoch), or the scheduler's end of a
+        job no replica took. The scheduler's other events (assignments, releases, its
+        epoch-0 events) echo the job's status as it read it, which
+        `stale_scheduler_write` judges."""
+        if e.epoch > 0:
+            return not is_assignment(e) and not is_release(e)
+        return self.ends_unstarted(e)
 
     def _read(self, t: _Clock) -> None:
         """Follows the assignment epoch and the tasks' statuses through the log, in order;
@@ -474,7 +475,7 @@ class JobLog:
         a release turns STARTING into RECOVERING, and the end of a job no replica holds
         turns its PENDING tasks CANCELLED or FAILED_NO_RESOURCE."""
         before = tasks.get(e.task_id, S.PENDING)
-        unstarted_end = ends_unstarted(e) and current is None
+        unstarted_end = self.ends_unstarted(e) and current is None
         if e.status != before and state is not None:
             if (unstarted_end and before == S.PENDING) or (
                 is_release(e) and before == S.STARTING and e.status == S.RECOVERING
@@ -513,7 +514,7 @@ class JobLog:
         """Each task's status-bearing events (`carries_status`), in log order."""
         by_task: dict[int, list[EventRecord]] = collections.defaultdict(list)
         for e in self.events:
-            if carries_status(e):
+            if self.carries_status(e):
                 by_task[e.task_id].append(e)
         return by_task
 
@@ -539,7 +540,7 @@ def _terminal(job: JobLog, t: _Clock) -> list[Violation]:
     if end is None:
         flag(Kind.TERMINAL_STATUS, f"never DONE; last {_event(job.events[-1], t)}")
     else:
-        after = [e for e in job.events if e.event_id > job.end_id]
+        after = [e for e in job.events if e.event_id > end.event_id]
         if after:
             flag(
                 Kind.TERMINAL_STATUS,
@@ -554,7 +555,7 @@ def _terminal(job: JobLog, t: _Clock) -> list[Violation]:
             succeeded = {
                 e.task_id
                 for e in job.events
-                if e.event_id <= job.end_id and carries_status(e) and e.status == S.SUCCEEDED
+                if e.event_id <= end.event_id and job.carries_status(e) and e.status == S.SUCCEEDED
             }
             missing = [task for task in range(job.num_tasks) if task not in succeeded]
             if missing:
@@ -590,7 +591,7 @@ def _terminal(job: JobLog, t: _Clock) -> list[Violation]:
                 )
             break
         if end is not None:
-            until_end = [e for e in events if e.event_id <= job.end_id]
+            until_end = [e for e in events if e.event_id <= end.event_id]
             last = until_end[-1] if until_end else None
             if last is not None and last.status not in TERMINAL:
                 flag(

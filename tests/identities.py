@@ -3,8 +3,13 @@
 Callers are named as in the auth matrix: "none" (no token), "unknown" (a token
 not in the file), "user" (alice), "other user" (bob), "admin", "controller"
 (bound to controller-1) and "service" (the logs service). Under TLS each caller
-presents a client certificate: a controller its replica's, the service the logs
-service's, everyone else `admin.pem`.
+presents its own client certificate, signed by the stack's CA: alice's, bob's,
+the admin's, controller-1's, the logs service's, and for the two without a token
+one that names nobody.
+
+`MTLS_CALLERS` are callers only TLS has, each a way mTLS must refuse: the admin's
+token with no client certificate, with a certificate from another CA, and the
+controller-1 token with controller-2's certificate.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ from services.common.edge import ServerSecurity
 from services.common.tls import ClientTls, ServerTls
 
 CALLERS = ("none", "unknown", "user", "other user", "admin", "controller", "service")
+NO_CERT, FOREIGN_CERT, OTHER_REPLICA_CERT = "no cert", "foreign cert", "other replica's cert"
+MTLS_CALLERS = (NO_CERT, FOREIGN_CERT, OTHER_REPLICA_CERT)
 HOSTS = ("scheduler", "logs", "simcloud")
 CONTROLLERS = ("controller-1", "controller-2")
 # The user, role and bound controller of each caller that has a token in the file.
@@ -29,7 +36,21 @@ REGISTERED = {
     "controller": ("controller-1", Role.CONTROLLER, "controller-1"),
     "service": ("logs", Role.SERVICE, ""),
 }
-CLIENT_CERT = {"controller": "controller-1", "service": "logs"}
+# Each caller's client certificate (its files' stem, under the identities folder), and
+# for the callers only TLS has, whose token it goes with.
+CLIENT_CERT = {
+    "none": "tls/nobody",
+    "unknown": "tls/nobody",
+    "user": "tls/alice",
+    "other user": "tls/bob",
+    "admin": "tls/admin",
+    "controller": "tls/controller-1",
+    "service": "tls/logs",
+    FOREIGN_CERT: "foreign-tls/admin",
+    OTHER_REPLICA_CERT: "tls/controller-2",
+}
+TOKEN_OF = {NO_CERT: "admin", FOREIGN_CERT: "admin", OTHER_REPLICA_CERT: "controller"}
+CLIENTS = ("nobody", "alice", "bob", "admin")
 
 
 @dataclasses.dataclass
@@ -42,15 +63,15 @@ class Identities:
 
     def client(self, caller: str, tls: bool) -> ClientSecurity:
         """What `caller` calls with: its token, and with `tls` the CA and its certificate."""
-        client_tls = None
-        if tls:
-            cert = CLIENT_CERT.get(caller, "admin")
-            client_tls = ClientTls.from_files(
-                str(self.tls_dir / "ca.pem"),
-                str(self.tls_dir / f"{cert}.pem"),
-                str(self.tls_dir / f"{cert}.key"),
-            )
-        return ClientSecurity.of(self.tokens[caller], client_tls)
+        token = self.tokens[TOKEN_OF.get(caller, caller)]
+        if not tls:
+            return ClientSecurity.of(token, None)
+        ca = str(self.tls_dir / "ca.pem")
+        cert = CLIENT_CERT.get(caller)
+        if cert is None:
+            return ClientSecurity.of(token, ClientTls.from_files(ca))
+        pem, key = self.tls_dir.parent / f"{cert}.pem", self.tls_dir.parent / f"{cert}.key"
+        return ClientSecurity.of(token, ClientTls.from_files(ca, str(pem), str(key)))
 
     def server(self, name: str, tls: bool, mtls: bool = True) -> ServerSecurity:
         """A server authenticating against the tokens file, with `name`'s certificate."""
@@ -65,7 +86,8 @@ class Identities:
 
 
 def make_identities(folder: Path) -> Identities:
-    """A tokens file with every registered caller, and a CA with the stack's certificates."""
+    """A tokens file with every registered caller, a CA with the stack's and the callers'
+    certificates, and in `foreign-tls` another CA with a certificate of its own."""
     tokens_file = folder / "tokens.yaml"
     tokens = {"none": "", "unknown": new_token()}
     for caller, (user, role, controller_id) in REGISTERED.items():
@@ -75,7 +97,8 @@ def make_identities(folder: Path) -> Identities:
         tls_dir,
         hosts=HOSTS,
         controllers=CONTROLLERS,
-        clients=["admin"],
+        clients=CLIENTS,
         extra_names=["localhost", "127.0.0.1"],
     )
+    make_certificates(folder / "foreign-tls", clients=["admin"])
     return Identities(tokens_file, tokens, tls_dir)

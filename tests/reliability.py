@@ -285,7 +285,7 @@ def cloud_config(
 
 def controller_args(poll_interval: float = 30.0) -> list[str]:
     """Fast backoff; rare polls, since the sim cloud pushes every cluster change; a
-    cancelled sim task (which never exits on SIGTERM) is killed 5 simulated seconds on."""
+    cancelled task of `job_spec` (which traps SIGTERM) is killed 5 simulated seconds on."""
     return [
         "--poll-interval", str(poll_interval),
         "--grace-seconds", "0.2",
@@ -333,13 +333,17 @@ def start_stack(
 
 
 def job_spec(name: str, runtimes: Sequence[float], spot: bool = True) -> str:
-    """A sim job: one task per runtime (simulated seconds), a chain when there are several."""
+    """A sim job: one task per runtime (simulated seconds), a chain when there are several.
+
+    Its tasks trap SIGTERM, so a cancel's teardown lasts the grace period: a window in
+    which faults can hit a job that is CANCELLING.
+    """
     spot_line = "true" if spot else "false"
 
     def task(task_name: str, runtime: float) -> str:
         return (
             f"name: {task_name}\nresources:\n  use_spot: {spot_line}\nrun: train\n"
-            f"sim: {{runtime_seconds: {runtime:.1f}}}\n"
+            f"sim: {{runtime_seconds: {runtime:.1f}, sigterm_exit_seconds: never}}\n"
         )
 
     if len(runtimes) == 1:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 from managedjobs.v1 import job_pb2
@@ -157,3 +158,57 @@ async def test_a_pass_over_two_replicas_logs_its_admissions_in_queue_order(
     assert [e.job_id for e in admitted] == ids
     # Spread over both replicas, so the order above is not one replica's statement.
     assert {e.message.removeprefix("admitted on ") for e in admitted} == {"a", "b"}
+
+
+async def test_launch_slots_under_a_global_cap_go_in_admission_order_across_replicas(
+    store: Store,
+) -> None:
+    """ALIVE_WAITING jobs on two replicas, each with launch room, and a global cap: the
+    slots go by priority, then submission, whichever replica holds the job, and the
+    event log lists the grants in that order."""
+    counters = Counters(store)
+    store.on_moves = counters.apply
+    outbox = Outbox()
+    admission = Admission(store, counters, outbox, Limits(global_launches=1))
+    streams = {cid: outbox.attach(cid) for cid in ("a", "b")}
+    for cid in streams:
+        capacity = pb.Capacity(max_launches=5, max_jobs=10)
+        admission.connected(pb.ControllerHello(controller_id=cid, capacity=capacity))
+
+    async def asking(cid: str, priority: int) -> int:
+        """A job `cid` holds that asks for a launch slot (its next task)."""
+        job_id, _ = await store.submit(dataclasses.replace(job(), priority=priority))
+        await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to=cid)
+        await store.move_many([job_id], St.LAUNCHING, St.ALIVE, controller_id=cid)
+        await store.move_many([job_id], St.ALIVE, St.ALIVE_WAITING, controller_id=cid)
+        return job_id
+
+    low, high = await asking("a", 0), await asking("b", 5)
+    mid, second = await asking("a", 3), await asking("b", 2)
+    after = await store.last_event_id()
+    await admission.schedule()
+    granted = [
+        (m.launch_slot_grant.job_id, cid)
+        for cid, stream in streams.items()
+        for m in drain(stream)
+        if m.HasField("launch_slot_grant")
+    ]
+    assert granted == [(high, "b")]
+    assert {await state(store, j) for j in (low, mid, second)} == {St.ALIVE_WAITING}
+    # The cap rises: the others go in the queue's order (a, b, a: one statement per
+    # replica), and the log lists them in that order.
+    admission.limits.global_launches = 4
+    await admission.schedule()
+    logged = [e.job_id for e in await store.events_after(after) if e.schedule_state == St.LAUNCHING]
+    assert logged == [high, mid, second, low]
+    assert live_counts(counters.counts) == live_counts(await store.recount())
+
+
+async def state(store: Store, job_id: int) -> St:
+    found = await store.get_job(job_id)
+    assert found is not None
+    return St(found.schedule_state)
+
+
+def drain(stream: Stream) -> list[pb.ConnectControllerResponse]:
+    return [m for m in (stream.queue.get_nowait() for _ in range(stream.queue.qsize())) if m]

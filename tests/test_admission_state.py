@@ -6,7 +6,9 @@ every step a scheduling pass runs and the invariants are checked:
 - never launching over a launch limit, never alive over a job limit, per replica
   and globally;
 - ALIVE_WAITING is served first: none is left waiting while its replica has a
-  free launch slot;
+  free launch slot, unless the global launch cap is reached, and then every slot
+  the pass granted went to a job ranked ahead of it (priority, then submission),
+  whichever replica holds either;
 - WAITING is admitted by priority, then submission order, and none is left
   while some replica could take it;
 - the in-memory counters equal a recount from the database. Nothing here
@@ -39,7 +41,6 @@ from services.scheduler.store import NewJob, Store
 
 St = ScheduleState
 SPEC = parse_job_spec("name: j\nrun: echo\n")
-GLOBAL_LAUNCHES = 5
 GLOBAL_JOBS = 9
 
 
@@ -56,7 +57,7 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.store,
             self.counters,
             self.outbox,
-            Limits(global_launches=GLOBAL_LAUNCHES, global_jobs=GLOBAL_JOBS),
+            Limits(global_jobs=GLOBAL_JOBS),
         )
         self.store.on_moves = self.counters.apply
         self.reports = Reports(self.store)
@@ -64,6 +65,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.run(self.db.migrate())
         self.next_replica = 0
         self.waiting_before: list[tuple[int, int]] = []
+        # The ALIVE_WAITING jobs before the last pass, by id: their rank.
+        self.alive_waiting_before: dict[int, tuple[int, int]] = {}
 
     def run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
@@ -78,18 +81,34 @@ class AdmissionMachine(RuleBasedStateMachine):
     def jobs(self, state: ScheduleState) -> list[Any]:
         return self.run(self.store.queued(state, None, 10_000))
 
-    def rank(self) -> dict[int, tuple[int, int]]:
-        return {j.id: (-j.priority, j.id) for j in self.jobs(St.WAITING)}
+    def rank(self, state: ScheduleState = St.WAITING) -> dict[int, tuple[int, int]]:
+        return {j.id: (-j.priority, j.id) for j in self.jobs(state)}
 
     def schedule(self) -> None:
         self.waiting_before = sorted(self.rank().values())
+        self.alive_waiting_before = self.rank(St.ALIVE_WAITING)
         self.run(self.admission.schedule())
 
     # --- rules -------------------------------------------------------------------------
 
-    @initialize()
-    def start(self) -> None:
+    # A low cap binds before the replicas' own limits do, so ALIVE_WAITING jobs of
+    # several replicas wait for the same global slot; a high one binds less often.
+    # Replicas and jobs may be there from the start: the states where replicas compete
+    # for the same slots come sooner.
+    @initialize(
+        global_launches=st.integers(1, 4),
+        replicas=st.lists(st.tuples(st.integers(1, 4), st.integers(1, 5)), max_size=3),
+        priorities=st.lists(st.integers(-3, 3), max_size=8),
+    )
+    def start(
+        self, global_launches: int, replicas: list[tuple[int, int]], priorities: list[int]
+    ) -> None:
+        self.admission.limits.global_launches = global_launches
         self.run(self.counters.rebuild())
+        for launches, jobs in replicas:
+            self.replica_joins(launches, jobs)
+        for priority in priorities:
+            self.submit(priority, 1)
 
     @rule(priority=st.integers(-3, 3), count=st.integers(1, 3))
     def submit(self, priority: int, count: int) -> None:
@@ -97,7 +116,7 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.run(self.store.submit_many(jobs))
         self.schedule()
 
-    @rule(launches=st.integers(1, 3), jobs=st.integers(1, 4))
+    @rule(launches=st.integers(1, 4), jobs=st.integers(1, 5))
     def replica_joins(self, launches: int, jobs: int) -> None:
         self.next_replica += 1
         cid = f"r{self.next_replica}"
@@ -128,18 +147,30 @@ class AdmissionMachine(RuleBasedStateMachine):
         rows = [j for j in self.jobs(state) if j.controller_id is not None]
         return data.draw(st.sampled_from(rows)) if rows else None
 
-    @rule(data=st.data(), backoff=st.booleans())
-    def launch_ends(self, data: st.DataObject, backoff: bool) -> None:
-        """A launch finishes, or backs off and gives its slot back (and asks again)."""
-        job = self._pick(data, St.LAUNCHING)
-        if job is None:
-            return
-        reason = "backing off after no capacity in r" if backoff else ""
-        self.run(
-            self.store.move(job.id, St.LAUNCHING, St.ALIVE, epoch=job.epoch,
-                            controller_id=job.controller_id, wait_reason=reason)
-        )  # fmt: skip
-        if backoff:
+    def _some(self, data: st.DataObject, state: ScheduleState, each: Any) -> list[Any]:
+        """Up to 3 held jobs in `state`, each with a value drawn from `each`."""
+        rows = [j for j in self.jobs(state) if j.controller_id is not None]
+        if not rows:
+            return []
+        picked = st.lists(st.sampled_from(rows), max_size=3, unique_by=lambda j: j.id)
+        return [(job, data.draw(each)) for job in data.draw(picked)]
+
+    @rule(data=st.data())
+    def replicas_report(self, data: st.DataObject) -> None:
+        """Before the next pass, as a batch of reports: held jobs (of one replica or
+        several) ask for a launch slot for their next task, and launches finish or back
+        off (giving their slot back and asking again). Slots freed and slots asked for
+        meet in one pass."""
+        asking = self._some(data, St.ALIVE, st.none())
+        for job, backoff in self._some(data, St.LAUNCHING, st.booleans()):
+            reason = "backing off after no capacity in r" if backoff else ""
+            self.run(
+                self.store.move(job.id, St.LAUNCHING, St.ALIVE, epoch=job.epoch,
+                                controller_id=job.controller_id, wait_reason=reason)
+            )  # fmt: skip
+            if backoff:
+                self._request(job)
+        for job, _ in asking:
             self._request(job)
         self.schedule()
 
@@ -148,13 +179,6 @@ class AdmissionMachine(RuleBasedStateMachine):
             self.store.move(job.id, St.ALIVE, St.ALIVE_WAITING, epoch=job.epoch,
                             controller_id=job.controller_id)
         )  # fmt: skip
-
-    @rule(data=st.data())
-    def next_task_needs_a_slot(self, data: st.DataObject) -> None:
-        job = self._pick(data, St.ALIVE)
-        if job is not None:
-            self._request(job)
-            self.schedule()
 
     @rule(data=st.data(), state=st.sampled_from([St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING]))
     def job_finishes(self, data: st.DataObject, state: ScheduleState) -> None:
@@ -179,7 +203,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     @invariant()
     def within_limits(self) -> None:
         totals = self.counters.totals()
-        assert totals.launching <= GLOBAL_LAUNCHES
+        assert totals.launching <= self.admission.limits.global_launches
         assert totals.alive <= GLOBAL_JOBS
         for cid, replica in self.admission.replicas.items():
             slots = self.counters.slots(cid)
@@ -193,13 +217,19 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @invariant()
     def alive_waiting_served_first(self) -> None:
-        global_room = GLOBAL_LAUNCHES - self.counters.totals().launching
+        global_room = self.admission.limits.global_launches - self.counters.totals().launching
+        launching = {j.id for j in self.jobs(St.LAUNCHING)}
+        granted = [r for i, r in self.alive_waiting_before.items() if i in launching]
         for job in self.jobs(St.ALIVE_WAITING):
             replica = self.admission.replicas.get(job.controller_id)
-            if replica is None or global_room <= 0:
+            if replica is None:
                 continue
-            launching = self.counters.slots(job.controller_id).launching
-            assert launching >= replica.capacity.max_launches
+            if self.counters.slots(job.controller_id).launching >= replica.capacity.max_launches:
+                continue
+            # Its replica had a free slot all through the pass (a pass only takes them).
+            assert global_room <= 0, "left waiting with a free launch slot"
+            rank = (-job.priority, job.id)
+            assert all(r < rank for r in granted), "a lower-ranked job was granted a slot first"
 
     @invariant()
     def waiting_admitted_in_order_and_only_when_full(self) -> None:
@@ -215,7 +245,11 @@ class AdmissionMachine(RuleBasedStateMachine):
                 and self.counters.slots(cid).alive < r.capacity.max_jobs
                 for cid, r in self.admission.replicas.items()
             )
-            assert not room or totals.launching >= GLOBAL_LAUNCHES or totals.alive >= GLOBAL_JOBS
+            assert (
+                not room
+                or totals.launching >= self.admission.limits.global_launches
+                or totals.alive >= GLOBAL_JOBS
+            )
 
 
 AdmissionMachine.TestCase.settings = settings(

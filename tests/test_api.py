@@ -10,6 +10,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
+from services.common.bounds import MAX_SPEC_BYTES
 from services.common.edge import ServerSecurity
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Limits
@@ -46,6 +47,11 @@ BAD_SPECS = [
         "name: c\n---\nrun: a\n---\nrun: b\nnum_nodes: many\n",
         "tasks[1].num_nodes",
     ),
+    (
+        "sim task that traps SIGTERM, badly",
+        "name: x\nrun: a\nsim: {sigterm_exit_seconds: forever}\n",
+        "sim.sigterm_exit_seconds",
+    ),
 ]
 
 
@@ -63,14 +69,18 @@ async def test_bad_spec_is_invalid_argument_naming_the_field_and_stores_nothing(
     assert list(listed.jobs) == []
 
 
-async def test_oversized_spec_is_refused(client: job_service_pb2_grpc.JobServiceStub) -> None:
-    spec = "name: big\nrun: " + "x" * (1024 * 1024 + 10) + "\n"
+async def test_oversized_spec_is_invalid_argument_and_stores_nothing(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: big\nrun: " + "x" * MAX_SPEC_BYTES + "\n"
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))
-    assert caught.value.code() in (
-        grpc.StatusCode.INVALID_ARGUMENT,
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-    )
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"larger than {MAX_SPEC_BYTES} bytes" in (caught.value.details() or "")
+    info = error_info(caught.value)
+    assert info.reason == "SPEC_INVALID" and info.metadata["field"] == "spec_yaml"
+    listed = await client.ListJobs(pb.ListJobsRequest())
+    assert list(listed.jobs) == []
 
 
 async def test_submit_get_list_and_cancel_waiting_job(
@@ -194,6 +204,27 @@ async def test_watch_streams_backlog_then_live_events(
     assert second.event.status == JobStatus.CANCELLED
     assert second.event.event_id > first.event.event_id
     stream.cancel()
+
+
+async def test_a_watch_sees_each_task_of_a_chain_cancelled_before_start(
+    client: job_service_pb2_grpc.JobServiceStub,
+) -> None:
+    spec = "name: c\n---\nrun: a\n---\nrun: b\n---\nrun: c\n"
+    job_id = (await client.SubmitJob(pb.SubmitJobRequest(spec_yaml=spec))).job_id
+    stream = client.WatchJobs(pb.WatchJobsRequest(job_ids=[job_id]))
+    assert (await stream.read()).event.message == "submitted"
+    await client.CancelJobs(pb.CancelJobsRequest(job_ids=[job_id]))
+    seen = []
+    while not seen or seen[-1][2] != ScheduleState.DONE:
+        event = (await stream.read()).event
+        seen.append((event.task_id, event.status, event.schedule_state))
+    stream.cancel()
+    cancelled = JobStatus.CANCELLED
+    assert seen == [
+        (1, cancelled, ScheduleState.WAITING),
+        (2, cancelled, ScheduleState.WAITING),
+        (0, cancelled, ScheduleState.DONE),
+    ]
 
 
 async def test_a_batched_watch_sends_every_event_ready_at_once_in_one_response(

@@ -1,65 +1,151 @@
-"""The auth matrix (contract §16), generated from the one policy table.
+"""The auth matrix (contract §14, §16): every RPC of every service x every caller, each
+cell against the status written for it by hand in `EXPECTED`.
 
-Every RPC of every service (scheduler, a controller replica, logs, sim cloud; real
-servers in this process) x every caller (no token, unknown token, user, other user,
-admin, controller, service) x {plaintext, TLS with mTLS}: the expected status of
-each cell follows from `access.POLICY` alone, and every cell is asserted.
+The servers are real and in this process (`inprocess`: scheduler, a controller
+replica, logs, sim cloud), in plaintext and under TLS with mTLS. The callers are
+those of `identities`: no token, an unknown token, a user (alice), another user
+(bob), the admin, a controller (bound to controller-1), the logs service; under TLS
+each presents its own client certificate, and three more callers are the ways mTLS
+refuses: no client certificate, one from another CA (both cut at the handshake:
+UNAVAILABLE), and the controller-1 token with controller-2's certificate.
 
-- no token, unknown token: UNAUTHENTICATED;
-- a role the table does not list for the method: PERMISSION_DENIED;
-- a listed role: anything but those two, with a minimal valid request. The
-  requests name job 1, which belongs to the "user" caller (alice), so the "other
-  user" (bob) gets PERMISSION_DENIED from the per-object rules of the methods
-  that act on a given job (`OWNED_BY_USER`). Job 1 is assigned to no replica, so
-  the controller passes the edge on the logs RPCs replicas call and is then
-  refused by their per-object rule (`HELD_BY_REPLICA`: PERMISSION_DENIED with
-  reason JOB_NOT_HELD, never the edge's ROLE_FORBIDDEN).
+`EXPECTED` is written from the roles of §14 (and docs/security.md's list of them),
+not from `access.POLICY`, the table the servers enforce: a role the code grants or
+withholds by mistake makes its cells disagree, which
+`test_a_wrong_role_in_the_policy_breaks_the_matrix` shows. It covers exactly the RPCs
+the servers serve, so a new RPC cannot go without its row.
+
+Each call sends the method's request of `rpcs.REQUESTS`. They name job 1, alice's,
+which is never assigned to a replica; the cells run row by row in the table's order
+and caller by caller in the columns' order, on one system, so a cell may see what an
+earlier one did (the admin's Launch makes the cluster "matrix" the later reads find).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from google.protobuf import descriptor_pool, message, message_factory
 from google.rpc import error_details_pb2, status_pb2
-from identities import CALLERS, REGISTERED, Identities, make_identities
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from identities import (
+    CALLERS,
+    FOREIGN_CERT,
+    MTLS_CALLERS,
+    NO_CERT,
+    OTHER_REPLICA_CERT,
+    Identities,
+    make_identities,
+)
 from inprocess import System, running_system
 from rpcs import JOB_SPEC, REQUESTS, method_descriptor
 
 from managedjobs.v1 import job_service_pb2
-from services.common.access import POLICY, Rule, render_policy, service_of
+from services.common.access import POLICY, Rule, is_open, render_policy, service_of
+from services.common.auth import Role
 from services.common.channels import open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
-OWNED_BY_USER = {
-    "/managedjobs.v1.JobService/GetJob",
-    "/managedjobs.v1.JobService/CancelJobs",
-    "/managedjobs.v1.JobService/WatchJobs",
-    "/managedjobs.v1.LogService/ReadLogs",
+Code = grpc.StatusCode
+
+# What a cell expects: the status code and, for an error the server sends, the reason of
+# its ErrorInfo (an mTLS refusal ends the connection before any server code runs).
+LEGEND = {
+    "OK": (Code.OK, ""),
+    "anon": (Code.UNAUTHENTICATED, "TOKEN_MISSING"),
+    "unkn": (Code.UNAUTHENTICATED, "TOKEN_UNKNOWN"),
+    "role": (Code.PERMISSION_DENIED, "ROLE_FORBIDDEN"),  # the method is outside the role
+    "owner": (Code.PERMISSION_DENIED, "JOB_FORBIDDEN"),  # job 1 is another user's
+    "held": (Code.PERMISSION_DENIED, "JOB_NOT_HELD"),  # job 1 is not this replica's
+    "cert": (Code.PERMISSION_DENIED, "CONTROLLER_MISMATCH"),  # the certificate names another
+    "nocl": (Code.NOT_FOUND, "CLUSTER_NOT_FOUND"),  # the request names no cluster there is
+    "noreg": (Code.NOT_FOUND, "RESOURCE_NOT_FOUND"),  # the request names no region there is
+    "tls": (Code.UNAVAILABLE, ""),  # mTLS refused the client certificate
 }
-HELD_BY_REPLICA = {
-    "/managedjobs.v1.LogService/FetchTaskLogs",
-    "/managedjobs.v1.LogService/AppendControllerLogs",
-}
-DENIED = {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-ALLOWED = "allowed"
-NOT_HELD = "JOB_NOT_HELD"
+# The columns of `EXPECTED`, callers of `identities`; the last three only TLS has.
+COLUMNS = (
+    "none", "unknown", "user", "other user", "admin", "controller", "service",
+    NO_CERT, FOREIGN_CERT, OTHER_REPLICA_CERT,
+)  # fmt: skip
+# user: submits; gets, lists, watches, cancels and reads the logs of their own jobs.
+# admin: everything, on every user's jobs, with the state and operator RPCs.
+# controller: ConnectController as the replica its token (and certificate) names, the
+#   logs RPCs for the jobs it holds, the sim cloud's API.
+# service: what the logs service needs: reading jobs from the scheduler and clusters
+#   from the sim cloud.
+EXPECTED = {
+    "managedjobs.v1.JobService": {
+        #                     none  unknown user  bob   admin ctrl  svc   nocert foreign ctrl-2
+        "SubmitJob":         "anon  unkn    OK    OK    OK    role  role  tls    tls     role",
+        "SubmitJobs":        "anon  unkn    OK    OK    OK    role  role  tls    tls     role",
+        "GetJob":            "anon  unkn    OK    owner OK    role  OK    tls    tls     role",
+        "ListJobs":          "anon  unkn    OK    OK    OK    role  OK    tls    tls     role",
+        "CancelJobs":        "anon  unkn    OK    owner OK    role  role  tls    tls     role",
+        "WatchJobs":         "anon  unkn    OK    owner OK    role  OK    tls    tls     role",
+    },
+    "managedjobs.v1.SchedulerService": {
+        "ConnectController": "anon  unkn    role  role  role  OK    role  tls    tls     cert",
+        "GetSchedulerState": "anon  unkn    role  role  OK    role  role  tls    tls     role",
+    },
+    "managedjobs.v1.ControllerService": {
+        "GetControllerState":"anon  unkn    role  role  OK    role  role  tls    tls     role",
+    },
+    "managedjobs.v1.LogService": {
+        "ReadLogs":          "anon  unkn    OK    owner OK    role  role  tls    tls     role",
+        "FetchTaskLogs":     "anon  unkn    role  role  role  held  role  tls    tls     held",
+        # Judged item by item: the refusal of job 1 is in the response.
+        "BatchFetchTaskLogs":"anon  unkn    role  role  role  OK    role  tls    tls     OK",
+        "AppendControllerLogs":
+                             "anon  unkn    role  role  role  held  role  tls    tls     held",
+    },
+    "managedjobs.simcloud.v1.SimCloudService": {
+        "Launch":            "anon  unkn    role  role  OK    OK    role  tls    tls     OK",
+        "LaunchClusters":    "anon  unkn    role  role  OK    OK    role  tls    tls     OK",
+        "Terminate":         "anon  unkn    role  role  OK    OK    role  tls    tls     OK",
+        "TerminateClusters": "anon  unkn    role  role  OK    OK    role  tls    tls     OK",
+        "NotifyPreemption":  "anon  unkn    role  role  nocl  nocl  role  tls    tls     nocl",
+        "GetCluster":        "anon  unkn    role  role  OK    OK    OK    tls    tls     OK",
+        "GetClusters":       "anon  unkn    role  role  OK    OK    OK    tls    tls     OK",
+        "ReadLogs":          "anon  unkn    role  role  OK    OK    OK    tls    tls     OK",
+        "GetLogs":           "anon  unkn    role  role  OK    OK    OK    tls    tls     OK",
+        "WatchEvents":       "anon  unkn    role  role  OK    OK    OK    tls    tls     OK",
+        "ListRegions":       "anon  unkn    role  role  OK    OK    OK    tls    tls     OK",
+    },
+    "managedjobs.simcloud.v1.SimOperatorService": {
+        "PreemptCluster":    "anon  unkn    role  role  nocl  role  role  tls    tls     role",
+        "PreemptRegion":     "anon  unkn    role  role  noreg role  role  tls    tls     role",
+        "SetCapacity":       "anon  unkn    role  role  noreg role  role  tls    tls     role",
+        "InjectFaults":      "anon  unkn    role  role  OK    role  role  tls    tls     role",
+        "ResetFaults":       "anon  unkn    role  role  OK    role  role  tls    tls     role",
+        "ListInventory":     "anon  unkn    role  role  OK    role  role  tls    tls     role",
+        "GetCloudState":     "anon  unkn    role  role  OK    role  role  tls    tls     role",
+    },
+}  # fmt: skip
 
 
-def expected(method: str, rule: Rule, caller: str) -> grpc.StatusCode | str:
-    if caller not in REGISTERED:
-        return grpc.StatusCode.UNAUTHENTICATED
-    role = REGISTERED[caller][1]
-    if role not in rule.roles:
-        return grpc.StatusCode.PERMISSION_DENIED
-    if caller == "other user" and method in OWNED_BY_USER:
-        return grpc.StatusCode.PERMISSION_DENIED
-    if method in HELD_BY_REPLICA:
-        return NOT_HELD
-    return ALLOWED
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    method: str
+    caller: str
+    want: tuple[Code, str]
+
+
+def cells(tls: bool) -> list[Cell]:
+    """Every cell of `EXPECTED`, in order; in plaintext without the mTLS columns."""
+    found = []
+    for service, rows in EXPECTED.items():
+        for name, row in rows.items():
+            words = row.split()
+            assert len(words) == len(COLUMNS), f"{service}/{name}: {len(words)} cells"
+            for caller, word in zip(COLUMNS, words, strict=True):
+                if tls or caller not in MTLS_CALLERS:
+                    found.append(Cell(f"/{service}/{name}", caller, LEGEND[word]))
+    return found
 
 
 async def call(
@@ -125,58 +211,19 @@ def error_reason(error: grpc.aio.AioRpcError) -> str:
     return ""
 
 
-def test_the_table_covers_every_rpc_of_every_service() -> None:
-    services = {service_of(m) for m in POLICY}
-    pool = descriptor_pool.Default()
-    declared = {
-        f"/{name}/{m.name}" for name in services for m in pool.FindServiceByName(name).methods
-    }
-    assert declared == set(POLICY) == set(REQUESTS)
-    assert services == {
-        "managedjobs.v1.JobService",
-        "managedjobs.v1.SchedulerService",
-        "managedjobs.v1.ControllerService",
-        "managedjobs.v1.LogService",
-        "managedjobs.simcloud.v1.SimCloudService",
-        "managedjobs.simcloud.v1.SimOperatorService",
-    }
-
-
-def test_docs_carry_the_policy_table() -> None:
-    assert render_policy() in (ROOT / "docs" / "security.md").read_text()
-
-
-@pytest.fixture(scope="module")
-def ids(tmp_path_factory: pytest.TempPathFactory) -> Identities:
-    return make_identities(tmp_path_factory.mktemp("identities"))
-
-
-@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
-async def test_every_cell_of_the_auth_matrix(ids: Identities, tls: bool, tmp_path: Path) -> None:
-    async with running_system(ids, tls, tmp_path) as system:
-        await own_job_1(system, ids, tls)
-        mismatches = []
-        cells = 0
-        for method, rule in POLICY.items():
-            for caller in CALLERS:
-                want = expected(method, rule, caller)
-                async with open_channel(
-                    system.address(service_of(method)), ids.client(caller, tls)
-                ) as channel:
-                    got, reason = await call(channel, method, REQUESTS[method])
-                cells += 1
-                if want == ALLOWED:
-                    ok = got not in DENIED
-                elif want == NOT_HELD:
-                    ok = (got, reason) == (grpc.StatusCode.PERMISSION_DENIED, NOT_HELD)
-                else:
-                    ok = got == want
-                if not ok:
-                    mismatches.append(
-                        f"{method} as {caller}: want {want}, got {got.name} {reason}".rstrip()
-                    )
-    assert cells == len(POLICY) * len(CALLERS)
-    assert mismatches == []
+async def mismatches(system: System, ids: Identities, tls: bool) -> list[str]:
+    """Calls every cell in order; the cells whose answer is not the one written."""
+    await own_job_1(system, ids, tls)
+    found = []
+    for cell in cells(tls):
+        async with open_channel(
+            system.address(service_of(cell.method)), ids.client(cell.caller, tls)
+        ) as channel:
+            got = await call(channel, cell.method, REQUESTS[cell.method])
+        if got != cell.want:
+            want, seen = (f"{c.name} {r}".rstrip() for c, r in (cell.want, got))
+            found.append(f"{cell.method} as {cell.caller}: want {want}, got {seen}")
+    return found
 
 
 async def own_job_1(system: System, ids: Identities, tls: bool) -> None:
@@ -187,3 +234,97 @@ async def own_job_1(system: System, ids: Identities, tls: bool) -> None:
         submit = channel.unary_unary(method, encode, job_service_pb2.SubmitJobResponse.FromString)
         reply = await submit(job_service_pb2.SubmitJobRequest(spec_yaml=JOB_SPEC), timeout=10)
     assert reply.job_id == 1
+
+
+async def served(address: str, ids: Identities, tls: bool) -> set[str]:
+    """The methods the server at `address` serves behind the edge, as reflection lists
+    them (health and reflection left out)."""
+
+    async def ask() -> AsyncIterator[reflection_pb2.ServerReflectionRequest]:
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async with open_channel(address, ids.client("none", tls)) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        names = [
+            s.name
+            async for r in stub.ServerReflectionInfo(ask(), timeout=10)
+            for s in r.list_services_response.service
+        ]
+    pool = descriptor_pool.Default()
+    return {
+        f"/{name}/{m.name}"
+        for name in names
+        if not is_open(f"/{name}/")
+        for m in pool.FindServiceByName(name).methods
+    }
+
+
+@pytest.fixture(scope="module")
+def ids(tmp_path_factory: pytest.TempPathFactory) -> Identities:
+    return make_identities(tmp_path_factory.mktemp("identities"))
+
+
+async def test_the_table_has_a_row_for_every_rpc_each_server_serves(
+    ids: Identities, tmp_path: Path
+) -> None:
+    rows = {cell.method for cell in cells(tls=True)}
+    async with running_system(ids, False, tmp_path) as system:
+        by_address: dict[str, set[str]] = {}
+        for method in rows:
+            by_address.setdefault(system.address(service_of(method)), set()).add(method)
+        for address, methods in by_address.items():
+            assert await served(address, ids, False) == methods, address
+    assert len(by_address) == 4
+    assert set(REQUESTS) == rows
+    assert (*CALLERS, *MTLS_CALLERS) == COLUMNS  # every caller of `identities` has a column
+
+
+def test_docs_carry_the_policy_table() -> None:
+    assert render_policy() in (ROOT / "docs" / "security.md").read_text()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plaintext", "tls"])
+async def test_every_cell_of_the_auth_matrix(ids: Identities, tls: bool, tmp_path: Path) -> None:
+    async with running_system(ids, tls, tmp_path) as system:
+        found = await mismatches(system, ids, tls)
+    assert found == []
+
+
+GRANTED = Rule(POLICY["/managedjobs.v1.SchedulerService/GetSchedulerState"].roles | {Role.USER})
+LIST_REGIONS = "/managedjobs.simcloud.v1.SimCloudService/ListRegions"
+WITHHELD = Rule(POLICY[LIST_REGIONS].roles - {Role.CONTROLLER})
+WRONG_ROLES = [
+    (
+        "/managedjobs.v1.SchedulerService/GetSchedulerState",
+        GRANTED,
+        [
+            "/managedjobs.v1.SchedulerService/GetSchedulerState as user: "
+            "want PERMISSION_DENIED ROLE_FORBIDDEN, got OK",
+            "/managedjobs.v1.SchedulerService/GetSchedulerState as other user: "
+            "want PERMISSION_DENIED ROLE_FORBIDDEN, got OK",
+        ],
+    ),
+    (
+        LIST_REGIONS,
+        WITHHELD,
+        [f"{LIST_REGIONS} as controller: want OK, got PERMISSION_DENIED ROLE_FORBIDDEN"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "rule", "caught"), WRONG_ROLES, ids=["role granted", "role withheld"]
+)
+async def test_a_wrong_role_in_the_policy_breaks_the_matrix(
+    ids: Identities,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+    rule: Rule,
+    caught: list[str],
+) -> None:
+    """The servers enforce `POLICY` with one role changed: exactly its cells disagree."""
+    monkeypatch.setitem(POLICY, method, rule)  # type: ignore[arg-type]
+    async with running_system(ids, False, tmp_path) as system:
+        found = await mismatches(system, ids, False)
+    assert found == caught

@@ -26,7 +26,7 @@ class Sender:
 
 
 async def one_in_flight(
-    in_flight: int = 1,
+    in_flight: int | None = 1,
 ) -> tuple[Sender, Coalescer[str, str, str], asyncio.Task[str]]:
     """A coalescer whose first call ("1") is sent and held in flight."""
     sender = Sender()
@@ -74,6 +74,20 @@ async def test_up_to_in_flight_batches_go_at_once_and_the_rest_wait_for_one() ->
     sender.hold.set()
     assert [await t for t in [first, *second, third]] == ["k:1", "k:2", "k:3", "k:4"]
     assert sender.batches[2] == ("k", ["4"])
+
+
+async def test_without_an_in_flight_limit_no_call_waits_for_an_answer() -> None:
+    """Slow answers (a stop's, once its grace ran out) never hold up a later call:
+    each turn's calls go at once, together, however many batches are out."""
+    sender, coalescer, first = await one_in_flight(in_flight=None)
+    later = []
+    for n in range(2, 12, 2):
+        later += [asyncio.create_task(coalescer.call("k", str(m))) for m in (n, n + 1)]
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+    assert sender.batches == [("k", ["1"])] + [("k", [str(n), str(n + 1)]) for n in range(2, 12, 2)]
+    sender.hold.set()
+    assert [await t for t in [first, *later]] == [f"k:{n}" for n in range(1, 12)]
 
 
 async def test_an_item_that_fails_fails_only_its_own_caller() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 import pytest
-from fuzzing import explore, messages
+from fuzzing import SEED_VARIABLE, explore, fuzz_seed, messages
 from hypothesis import strategies as st
 
 from managedjobs.v1 import job_service_pb2 as jpb
@@ -228,6 +228,8 @@ async def holding_a_job(app: SchedulerApp) -> AsyncIterator[tuple[Replica, Fuzze
 async def test_refused_reports_write_nothing_and_every_report_is_answered(
     app: SchedulerApp, caplog: pytest.LogCaptureFixture
 ) -> None:
+    seed = fuzz_seed()
+    print(f"{SEED_VARIABLE}={seed}")  # shown with any failure
     caplog.set_level(logging.WARNING)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{app.server.port}") as channel:
         replica = Replica(channel)
@@ -235,7 +237,7 @@ async def test_refused_reports_write_nothing_and_every_report_is_answered(
         fuzzer = Fuzzer(replica, job_service_pb2_grpc.JobServiceStub(channel))
         loop = asyncio.get_running_loop()
         ran = await asyncio.to_thread(
-            explore, REPORTS, fuzzer.check, loop, examples=EXAMPLES, budget=BUDGET
+            explore, REPORTS, fuzzer.check, loop, examples=EXAMPLES, seed=seed, budget=BUDGET
         )
         replica.close()
     assert ran >= 10

@@ -12,6 +12,7 @@ made by the real system with one protection turned off are
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import pytest
 from history import (
@@ -131,18 +132,37 @@ class Run:
         self.cancels_answered.add(job)
         self.event(job, message, **fields)  # type: ignore[arg-type]
 
-    def cancel_unstarted(self, job: int) -> None:
+    def cancel_unstarted(self, job: int, tasks: int = 1) -> None:
+        """Cancelled before start: in one transaction, an event for each later task, then
+        the end naming task 0."""
         self.cancels_sent.add(job)
         self.cancels_answered.add(job)
-        self.event(job, CANCELLED_BEFORE_START, status=S.CANCELLED, state=St.DONE)
+        self.end_unstarted(job, S.CANCELLED, CANCELLED_BEFORE_START, tasks)
+
+    def end_unstarted(self, job: int, first: S, message: str, tasks: int = 1) -> None:
+        """The scheduler ends a job no replica took: its first task `first`, the others
+        CANCELLED, each with its event, then the end, all in one transaction."""
+        for task in range(1, tasks):
+            self.event(job, message, status=S.CANCELLED, task=task, same_transaction=task > 1)
+        self.event(job, message, status=first, state=St.DONE, task=0, same_transaction=tasks > 1)
 
     # --- a replica's reports --------------------------------------------------------------
 
     def report(self, job: int, status: S, epoch: int, task: int = 0, message: str = "") -> None:
         self.event(job, message or status.name, status=status, task=task, epoch=epoch)
 
-    def done(self, job: int, epoch: int) -> None:
-        self.event(job, "done", state=St.DONE, epoch=epoch)
+    def done(self, job: int, epoch: int, cancelled: Sequence[int] = ()) -> None:
+        """The job's end; before it, in its transaction, an event for each task of
+        `cancelled` it ends."""
+        status, _, task = self.state[job]
+        for n, other in enumerate(cancelled):
+            self.event(
+                job, "done", status=S.CANCELLED, task=other, epoch=epoch, same_transaction=n > 0
+            )
+        self.event(
+            job, "done", status=status, state=St.DONE, task=task, epoch=epoch,
+            same_transaction=bool(cancelled),
+        )  # fmt: skip
 
     # --- the cloud ------------------------------------------------------------------------
 
@@ -378,6 +398,26 @@ def test_an_event_of_a_task_the_job_does_not_have_is_reported() -> None:
     run.done(7, 1)
     v = only(check(run.history()), Kind.LOG_CONTRACT, 7)
     assert "names tasks [1] of a job submitted with 1" in v.evidence
+
+
+def test_a_chains_end_has_an_event_for_each_task_it_ends() -> None:
+    """Cancelled before start, or ended by its first task's failure: each later task's
+    CANCELLED is an event of its own before the end, and is judged like any other."""
+    run = good_run()
+    run.submit(7, tasks=3)
+    run.cancel_unstarted(7, tasks=3)
+    for job, tasks, ended in ((8, 3, [1, 2]), (9, 2, [0, 1])):
+        run.submit(job, tasks=tasks)
+        run.admit(job, "controller-1", 1)
+        run.report(job, S.STARTING, 1)
+        cluster = run.launch(job, 1)
+        run.report(job, S.RUNNING, 1)
+        run.finish_run(cluster, exit_code=1)
+        run.report(job, S.FAILED, 1)
+        run.terminate(cluster)
+        run.done(job, 1, cancelled=ended)  # job 9's end wrongly cancels its failed task
+    v = only(check(run.history()), Kind.TERMINAL_STATUS, 9)
+    assert v.task_id == 0 and "FAILED" in v.evidence and "became CANCELLED" in v.evidence
 
 
 def test_a_lost_submission_is_reported() -> None:
@@ -622,21 +662,18 @@ def test_a_job_past_its_max_pending_is_ended_by_the_scheduler_without_a_violatio
     """The scheduler ends a job no replica took: its first task FAILED_NO_RESOURCE, the
     others CANCELLED (with an event each, or only the first), the job DONE at epoch 0."""
     run = good_run()
-    run.submit(7, tasks=2)
     why = f"{MAX_PENDING_EXCEEDED} while waiting for a launch slot"
-    run.event(7, why, status=S.FAILED_NO_RESOURCE, state=St.DONE, task=0)
+    run.submit(7)
+    run.end_unstarted(7, S.FAILED_NO_RESOURCE, why)
     run.submit(8, tasks=3)
-    run.event(8, why, status=S.FAILED_NO_RESOURCE, state=St.DONE, task=0)
-    for task in (1, 2):
-        run.event(8, "not run", status=S.CANCELLED, task=task, same_transaction=True)
-    run.submit(9, tasks=2)
-    run.cancel_unstarted(9)
-    run.event(9, CANCELLED_BEFORE_START, status=S.CANCELLED, task=1, same_transaction=True)
+    run.end_unstarted(8, S.FAILED_NO_RESOURCE, why, tasks=3)
     assert check(run.history()) == []
-    # Another transaction's event of the ended job is a change after the end.
-    run.event(9, CANCELLED_BEFORE_START, status=S.CANCELLED, task=1)
-    v = only(check(run.history()), Kind.TERMINAL_STATUS, 9)
-    assert "1 events after its end" in v.evidence
+    # Outside the end's transaction, the same event is no rule of the scheduler's.
+    run.submit(9, tasks=2)
+    run.event(9, why, status=S.CANCELLED, task=1)
+    run.event(9, why, status=S.FAILED_NO_RESOURCE, state=St.DONE, task=0)
+    v = only(check(run.history()), Kind.STALE_SCHEDULER_WRITE, 9)
+    assert v.task_id == 1 and "records the task CANCELLED" in v.evidence
 
 
 def test_a_scheduler_end_of_a_job_a_replica_holds_is_reported() -> None:

@@ -211,7 +211,7 @@ def test_max_duration_sends_sigterm_then_sigkill_and_keeps_the_last_words(
 ) -> None:
     spec = (
         "name: j\nrun: train\nmax_duration: 1\ngrace_period: 5\n"
-        "sim: {runtime_seconds: 1000000, log_lines: [working]}\n"
+        "sim: {runtime_seconds: 1000000, log_lines: [working], sigterm_exit_seconds: never}\n"
     )
     run = run_job(jobs, cloud, spec)
     assert run.job.status == S.FAILED
@@ -219,7 +219,7 @@ def test_max_duration_sends_sigterm_then_sigkill_and_keeps_the_last_words(
     [cluster] = run.clusters
     sigterm = cluster.sigterm_time.ToNanoseconds()
     killed = cluster.task_end_time.ToNanoseconds()
-    # The sim task ignores SIGTERM: it is killed once the grace ran out (5 simulated
+    # This sim task traps SIGTERM: it is killed once the grace ran out (5 simulated
     # seconds, 0.5 real ones at this scale), and only then is the cluster terminated.
     grace = 5 / TIME_SCALE * 1e9
     assert sigterm > 0 and killed - sigterm == pytest.approx(grace, rel=0.01)

@@ -222,9 +222,10 @@ async def test_max_duration_sends_sigterm_before_the_end_and_keeps_the_logs(
     [cluster] = await world.inventory(1)
     assert cluster.HasField("sigterm_time") and cluster.HasField("terminate_time")
     assert cluster.sigterm_time.ToNanoseconds() <= cluster.terminate_time.ToNanoseconds()
-    # The attempt's logs were copied once it stopped: they end with its SIGTERM.
+    # The attempt's logs were copied once it stopped: they end with its SIGTERM, at which
+    # the task, with no handler of its own, exited.
     [(_, _, data, _)] = running.host.fetched
-    assert data == b"working\nreceived SIGTERM: stopping, SIGKILL in 2s\nkilled (SIGKILL)\n"
+    assert data == b"working\nreceived SIGTERM: stopping, SIGKILL in 2s\nexited (SIGTERM)\n"
 
 
 async def test_a_cancel_stops_running_code_with_sigterm_first(world: World) -> None:
@@ -235,7 +236,9 @@ async def test_a_cancel_stops_running_code_with_sigterm_first(world: World) -> N
     await running.finished()
     assert running.host.statuses(0)[-2:] == [S.CANCELLING, S.CANCELLED]
     [cluster] = await world.inventory(1)
-    assert cluster.HasField("sigterm_time")
+    # It exited at the SIGTERM, in the same simulated instant: nothing waited for the grace.
+    assert cluster.HasField("sigterm_time") and cluster.exit_code == 143
+    assert cluster.task_end_time == cluster.sigterm_time
 
 
 async def test_a_pending_reclaim_is_announced_even_without_a_watch_event(world: World) -> None:

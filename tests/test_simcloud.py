@@ -820,6 +820,8 @@ async def eventually(check: Any, want: object, timeout: float = 5.0) -> None:
 
 START = 1_700_000_000.0
 NOTICE = 120.0
+# The `sim` setting of a task that traps SIGTERM: only SIGKILL ends it.
+TRAPS = {"sigterm_exit_seconds": "never"}
 
 
 @dataclasses.dataclass
@@ -1034,7 +1036,7 @@ async def test_a_graceful_terminate_signals_the_task_and_ends_after_the_grace(
     manual: Manual,
 ) -> None:
     m = manual
-    handle = await m.backend.launch(task(1, sim={"runtime_seconds": 1e6}))
+    handle = await m.backend.launch(task(1, sim={"runtime_seconds": 1e6, **TRAPS}))
     m.advance(7)
     terminating = asyncio.create_task(m.backend.terminate(handle, epoch=1, grace=30))
     await eventually(lambda: signalled(m, handle.cluster_name), True)
@@ -1053,7 +1055,7 @@ async def test_a_graceful_terminate_signals_the_task_and_ends_after_the_grace(
     [listed] = await list_inventory(m.operator, job_id=1)
     assert listed.sigterm_time == record.sigterm_time
     # A task that ends within its grace ends the terminate with it.
-    short = await m.backend.launch(task(2, sim={"runtime_seconds": 10}))
+    short = await m.backend.launch(task(2, sim={"runtime_seconds": 10, **TRAPS}))
     terminating = asyncio.create_task(m.backend.terminate(short, grace=300))
     await eventually(lambda: signalled(m, short.cluster_name), True)
     m.advance(10)
@@ -1074,7 +1076,7 @@ async def test_a_stop_kills_the_task_after_the_grace_and_keeps_the_cluster_and_i
 ) -> None:
     m = manual
     handle = await m.backend.launch(
-        task(1, epoch=2, sim={"runtime_seconds": 1e6, "log_lines": ["x"]})
+        task(1, epoch=2, sim={"runtime_seconds": 1e6, "log_lines": ["x"], **TRAPS})
     )
     m.advance(7)
     with pytest.raises(StaleEpochError):
@@ -1097,6 +1099,91 @@ async def test_a_stop_kills_the_task_after_the_grace_and_keeps_the_cluster_and_i
     await m.backend.stop(handle, epoch=2, grace=30)
     await m.backend.terminate(handle, epoch=2, grace=30)
     assert (await m.cluster(handle.cluster_name)).status == pb.CLUSTER_STATUS_TERMINATED
+
+
+async def test_a_task_exits_at_sigterm_unless_it_traps_it(manual: Manual) -> None:
+    """As a process with the default handler, a task ends at its stop's SIGTERM (143),
+    with no simulated time passing; one that traps it exits N seconds later, or is
+    killed at the end of the grace when N is longer."""
+    m = manual
+    # The second line is due long after the stop: a task that ended never writes it.
+    sim = {"runtime_seconds": 1e6, "log_lines": ["x", "later"]}
+    default = await m.backend.launch(task(1, sim=sim, use_spot=False))
+    m.advance(7)
+    await asyncio.wait_for(m.backend.stop(default, epoch=1, grace=30), 5)
+    record = await m.cluster(default.cluster_name)
+    assert (record.status, record.task_status, record.exit_code) == (
+        pb.CLUSTER_STATUS_UP,
+        pb.TASK_STATUS_FAILED,
+        143,
+    )
+    assert record.task_end_time == record.sigterm_time
+    assert record.task_end_time.ToNanoseconds() / 1e9 == START + 7
+    assert await m.backend.read_logs(default) == (
+        b"x\nreceived SIGTERM: stopping, SIGKILL in 30s\nexited (SIGTERM)\n"
+    )
+    # A graceful terminate of such a task ends the cluster at once too.
+    other = await m.backend.launch(task(2, sim=sim, use_spot=False))
+    await asyncio.wait_for(m.backend.terminate(other, epoch=1, grace=30), 5)
+    record = await m.cluster(other.cluster_name)
+    assert record.status == pb.CLUSTER_STATUS_TERMINATED
+    assert record.terminate_time == record.sigterm_time == record.task_end_time
+    assert record.exit_code == 143
+
+    trapping = await m.backend.launch(
+        task(3, sim={**sim, "sigterm_exit_seconds": 10}, use_spot=False)
+    )
+    stopping = asyncio.create_task(m.backend.stop(trapping, epoch=1, grace=30))
+    await eventually(lambda: signalled(m, trapping.cluster_name), True)
+    m.advance(9.5)
+    assert (await m.cluster(trapping.cluster_name)).task_status == pb.TASK_STATUS_RUNNING
+    assert not stopping.done()
+    m.advance(0.5)
+    await asyncio.wait_for(stopping, 5)
+    record = await m.cluster(trapping.cluster_name)
+    assert (record.task_status, record.exit_code) == (pb.TASK_STATUS_FAILED, 143)
+    assert record.task_end_time.ToNanoseconds() / 1e9 == START + 17
+    # A terminate ends the cluster once its trapping task exits, before the grace is out.
+    slow = await m.backend.launch(task(4, sim={**sim, "sigterm_exit_seconds": 10}, use_spot=False))
+    terminating = asyncio.create_task(m.backend.terminate(slow, epoch=1, grace=30))
+    await eventually(lambda: signalled(m, slow.cluster_name), True)
+    m.advance(10)
+    await asyncio.wait_for(terminating, 5)
+    record = await m.cluster(slow.cluster_name)
+    assert record.terminate_time.ToNanoseconds() / 1e9 == START + 27
+    # Exiting later than the grace: SIGKILL at the end of the grace comes first.
+    late = await m.backend.launch(task(5, sim={**sim, "sigterm_exit_seconds": 60}, use_spot=False))
+    stopping = asyncio.create_task(m.backend.stop(late, epoch=1, grace=30))
+    await eventually(lambda: signalled(m, late.cluster_name), True)
+    m.advance(30)
+    await asyncio.wait_for(stopping, 5)
+    record = await m.cluster(late.cluster_name)
+    assert (record.exit_code, record.task_end_time.ToNanoseconds() / 1e9) == (137, START + 57)
+    m.advance(60)  # the trap's exit, due after the kill, changes nothing
+    assert (await m.cluster(late.cluster_name)).exit_code == 137
+
+
+async def test_a_stop_never_waits_for_an_earlier_stops_grace(manual: Manual) -> None:
+    """Cancels made one after another each get their SIGTERM at once, though every
+    earlier stop is still waiting out its grace for a task that traps SIGTERM: the
+    stops' batches are never queued behind each other's answers."""
+    m = manual
+    handles = [
+        await m.backend.launch(task(job, sim={"runtime_seconds": 1e6, **TRAPS}, use_spot=False))
+        for job in range(1, 9)
+    ]
+    stops = []
+    for handle in handles:
+        stops.append(asyncio.create_task(m.backend.stop(handle, epoch=1, grace=30)))
+        await eventually(lambda h=handle: signalled(m, h.cluster_name), True)
+    assert m.backend.terminations.batches == len(handles)
+    assert not any(stop.done() for stop in stops)
+    m.advance(30)
+    await asyncio.wait_for(asyncio.gather(*stops), 5)
+    for handle in handles:
+        record = await m.cluster(handle.cluster_name)
+        assert record.sigterm_time.ToNanoseconds() / 1e9 == START
+        assert (record.exit_code, record.task_end_time.ToNanoseconds() / 1e9) == (137, START + 30)
 
 
 async def read_until(stream: AsyncIterator[bytes], marker: bytes) -> bytes:

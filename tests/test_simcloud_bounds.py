@@ -127,6 +127,11 @@ BAD: list[tuple[str, Call, str]] = [
         "preempt_after_seconds",
     ),
     (
+        "launch-sigterm-exit",
+        lambda c: c.cloud.Launch(launch(behavior__sigterm_exit_seconds=-1)),
+        "sigterm_exit_seconds",
+    ),
+    (
         "launch-log-lines",
         lambda c: c.cloud.Launch(launch(behavior__log_lines__lines=["x" * 1024] * 1100)),
         "log_lines",

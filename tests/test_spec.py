@@ -210,6 +210,15 @@ def test_sim_fields_are_stored_as_sorted_compact_json() -> None:
 
 
 @pytest.mark.parametrize(
+    ("value", "stored"),
+    [("0", 0), ("30", 30), ("never", "never"), ("null", None)],
+)
+def test_sigterm_exit_seconds_is_seconds_or_never(value: str, stored: object) -> None:
+    [task] = parse_job_spec(f"run: x\nsim: {{sigterm_exit_seconds: {value}}}\n").tasks
+    assert json.loads(task.sim_json or "{}").get("sigterm_exit_seconds") == stored
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         ("run: x\n", "1x()"),
@@ -250,6 +259,7 @@ def test_malformed_yaml_names_the_line() -> None:
     assert "line 4" in info.value.message
 
 
+SIGTERM = "sim.sigterm_exit_seconds"
 SPEC_ERRORS: list[tuple[str, str, str]] = [  # (case, spec text, field path)
     ("malformed yaml", "run: [unclosed\n", "spec_yaml"),
     ("tab indentation", "resources:\n\tcpus: 2\n", "spec_yaml"),
@@ -325,6 +335,10 @@ SPEC_ERRORS: list[tuple[str, str, str]] = [  # (case, spec text, field path)
     ("negative sim runtime", "sim: {runtime_seconds: -1}\n", "sim.runtime_seconds"),
     ("sim exit_code is a float", "sim: {exit_code: 1.5}\n", "sim.exit_code"),
     ("sim log line is a number", "sim: {log_lines: [ok, 3]}\n", "sim.log_lines[1]"),
+    *(
+        (f"sigterm_exit_seconds {value}", f"sim: {{sigterm_exit_seconds: {value}}}\n", SIGTERM)
+        for value in ("-1", "forever", "Never", "true", "[1]", ".inf", "1.0e+9")
+    ),
 ]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import re
 import sqlite3
 import threading
@@ -19,6 +20,7 @@ from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.counters import Counters, live_counts
 from services.scheduler.db import Database
 from services.scheduler.db.sqlite import Checkpointer
+from services.scheduler.deadlines import PendingDeadlines
 from services.scheduler.events import EventBus
 from services.scheduler.models import EventRow, JobRow, TaskRow
 from services.scheduler.outbox import Outbox
@@ -480,6 +482,81 @@ async def test_cancel_of_an_unstarted_job_is_immediate_and_idempotent(store: Sto
     assert job.status == S.CANCELLED and job.schedule_state == St.DONE
     assert {t.status for t in job.tasks} == {S.CANCELLED}
     assert await followed.matches_a_recount(store)
+
+
+async def changes(store: Store, job_id: int, after: int) -> list[tuple[int, S, St, str, int]]:
+    """The job's events after event `after`, as logged: (task, status, schedule state,
+    message, epoch)."""
+    columns = (EventRow.task_id, EventRow.status, EventRow.schedule_state, EventRow.message)
+    query = (
+        select(*columns, EventRow.epoch)
+        .where(EventRow.job_id == job_id, EventRow.id > after)
+        .order_by(EventRow.id)
+    )
+    rows = await store.read(lambda conn: conn.execute(query).all())
+    return [(t, S(s), St(state), m, e) for t, s, state, m, e in rows]
+
+
+async def test_a_chain_cancelled_before_start_has_an_event_for_each_task(
+    store: Store, bus: EventBus
+) -> None:
+    job_id, _ = await store.submit(new_job(chain(3)))
+    after, commits = await store.last_event_id(), store.db.commits
+    watcher = bus.subscribe([job_id])
+    await Cancels(store, Outbox()).cancel(Targets(job_ids=[job_id]))
+    assert store.db.commits == commits + 1
+    # Each task's change is its own event; the job's end (the one in DONE) comes last.
+    why = "cancelled before start"
+    assert await changes(store, job_id, after) == [
+        (1, S.CANCELLED, St.WAITING, why, 0),
+        (2, S.CANCELLED, St.WAITING, why, 0),
+        (0, S.CANCELLED, St.DONE, why, 0),
+    ]
+    watched = await asyncio.wait_for(watcher.take(10), 1)
+    assert [(e.task_id, e.schedule_state) for e in watched] == [
+        (1, St.WAITING),
+        (2, St.WAITING),
+        (0, St.DONE),
+    ]
+
+
+async def test_a_chain_that_ends_early_has_an_event_for_each_later_task(store: Store) -> None:
+    job_id, _ = await store.submit(new_job(chain(3)))
+    epoch = await assign(store, job_id)
+    for status in (S.STARTING, S.RUNNING, S.FAILED):
+        await accepted(store, "c1", transition(job_id, epoch, status))
+    after = await store.last_event_id()
+    await accepted(store, "c1", finished(job_id, epoch))
+    assert await changes(store, job_id, after) == [
+        (1, S.CANCELLED, St.LAUNCHING, "done", epoch),
+        (2, S.CANCELLED, St.LAUNCHING, "done", epoch),
+        (0, S.FAILED, St.DONE, "done", epoch),
+    ]
+    # A repeated finish changes nothing, so it writes nothing.
+    after = await store.last_event_id()
+    await accepted(store, "c1", finished(job_id, epoch))
+    assert await changes(store, job_id, after) == []
+
+
+async def test_a_chain_past_its_max_pending_has_an_event_for_each_task(store: Store) -> None:
+    parsed = parse_job_spec(f"max_pending: 60\n{chain(3)}")
+    job_id, _ = await store.submit(
+        NewJob("p", "alice", 0, "", "", parsed.tasks, (), parsed.timeouts)
+    )
+    after = await store.last_event_id()
+    deadlines = PendingDeadlines(store, lambda: "waiting for a replica")
+    submitted = store.clock()
+    store.clock = lambda: submitted + dt.timedelta(seconds=61)
+    assert await deadlines.expire() == [job_id]
+    why = "max_pending exceeded while waiting for a replica"
+    assert await changes(store, job_id, after) == [
+        (1, S.CANCELLED, St.WAITING, why, 0),
+        (2, S.CANCELLED, St.WAITING, why, 0),
+        (0, S.FAILED_NO_RESOURCE, St.DONE, why, 0),
+    ]
+    job = await store.get_job(job_id)
+    assert job is not None
+    assert [t.status for t in job.tasks] == [S.FAILED_NO_RESOURCE, S.CANCELLED, S.CANCELLED]
 
 
 async def test_cancel_of_many_jobs_is_one_transaction(store: Store) -> None:

@@ -4,9 +4,8 @@ Clusters live in the sim cloud process, so every controller replica and the
 logs service see the same ones; a cluster is found by its name alone. The task
 a cluster runs behaves as the spec's `sim` key says (runtime_seconds,
 setup_seconds, exit_code, exit_code_runs, setup_exit_code, log_lines,
-preempt_after_seconds;
-defaults in services/simcloud/clusters.py), and `run` and `setup` are never
-executed.
+preempt_after_seconds, sigterm_exit_seconds; defaults in
+services/simcloud/clusters.py), and `run` and `setup` are never executed.
 
 Errors from the cloud map onto the backend's: RESOURCE_EXHAUSTED ->
 `ResourcesUnavailableError` (regions_tried from the ErrorInfo metadata),
@@ -35,11 +34,12 @@ the `sim` key's runtime, passes `time_scale` times faster than real time, and
 the Terminate call, which returns once the cluster is gone, may take that long.
 Launches asked for at once go as one LaunchClusters call (`launches`), stops and
 teardowns as one TerminateClusters call per grace (`terminations`), each item
-answered, and failed, on its own; log reads asked for at once go as one GetLogs
-call (`log_reads`). A batched launch whose caller gives up (a cancel, a drain) is
-torn down before the caller goes on, and again should its batch still bring it UP,
-as the cloud rolls back a lone Launch cancelled mid-way; closing the backend cancels
-its batches in flight, which the cloud rolls back.
+answered, and failed, on its own; a stop or teardown never waits for an earlier
+batch, whose answer may wait for its tasks' grace to run out. Log reads asked for
+at once go as one GetLogs call (`log_reads`). A batched launch whose caller gives
+up (a cancel, a drain) is torn down before the caller goes on, and again should its
+batch still bring it UP, as the cloud rolls back a lone Launch cancelled mid-way;
+closing the backend cancels its batches in flight, which the cloud rolls back.
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
 ended has nothing to tell and the call returns quietly.
@@ -81,6 +81,7 @@ from services.backends.base import (
 from services.common.channels import ClientSecurity, open_channel
 from services.common.coalesce import Coalescer
 from services.common.errors import error_info
+from services.scheduler.spec_fields import NEVER
 from services.simcloud.bounds import NAME_RE
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,11 @@ def launch_request(
         behavior.exit_code_runs = int(sim.get("exit_code_runs", 0))
         if "log_lines" in sim:
             behavior.log_lines.lines.extend(str(line) for line in sim["log_lines"])
+        sigterm_exit = sim.get("sigterm_exit_seconds")
+        if sigterm_exit == NEVER:
+            behavior.sigterm_ignored = True
+        elif sigterm_exit is not None:
+            behavior.sigterm_exit_seconds = float(sigterm_exit)
     except (TypeError, ValueError) as exc:
         raise PrecheckError(f"sim: {exc}") from exc
     return pb.LaunchRequest(
@@ -272,9 +278,11 @@ class SimBackend(Backend):
         )
         self._teardowns: set[asyncio.Task[None]] = set()
         # Stops and teardowns asked for at once go as one TerminateClusters call, by
-        # (keep_cluster, grace): a long grace never holds up a short one.
+        # (keep_cluster, grace): a long grace never holds up a short one. The cloud answers
+        # once every task of the batch ended, up to the grace later (a task that traps
+        # SIGTERM), so a call never waits for an earlier batch: its SIGTERM goes at once.
         self.terminations: Coalescer[tuple[bool, float], pb.TerminateRequest, None] = Coalescer(
-            self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH
+            self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH, in_flight=None
         )
         # Log reads asked for at once (the logs service fetching many clusters' logs
         # before their teardown) go as one GetLogs call.

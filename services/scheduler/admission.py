@@ -298,12 +298,15 @@ class Admission:
                 continue
             room.take(cid, launch=True, job=False)
             granted.setdefault(cid, []).append(int(row.id))
+        first_event = len(txn.events)
         for cid, ids in granted.items():
             moves, _ = move_many(
                 txn, ids, St.ALIVE_WAITING, St.LAUNCHING, controller_id=cid,
                 message="launch slot granted",
             )  # fmt: skip
             txn.after.append(functools.partial(self._grants, cid, moves))
+        # One statement per replica; the event log lists the grants in queue order.
+        txn.order_events(first_event, [row.id for row in rows])
         # Another page only if this one was full and room is left for its skipped rows.
         return len(rows) == limit and room.launches > 0 and bool(room.with_launch_room())
 

@@ -61,6 +61,7 @@ from services.scheduler.store import (
     Store,
     Txn,
     chunked,
+    end_events,
     move_held,
     set_task_status,
     set_task_statuses,
@@ -508,7 +509,8 @@ def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> Non
     terminal status", so it is closed here, along `TASK_TRANSITIONS`: a task being
     cancelled, and tasks after the current one, end CANCELLED; the current task
     and any other in flight end FAILED_CONTROLLER with the reason (with no reason,
-    a current task that never started ends CANCELLED too).
+    a current task that never started ends CANCELLED too). Each task closed here has
+    an event of its own (`end_events`).
     """
     job = _held_job(txn, job_id, epoch, cid)
     if job.schedule_state == St.DONE:
@@ -519,6 +521,7 @@ def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> Non
     else:
         rows = values_of(txn.conn.execute(UNFINISHED_TASKS, {"ids": [job_id]}))
         unfinished = [loaded.task(row) for row in rows]
+    ended: list[tuple[int, int, JobStatus]] = []
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
             continue  # finished earlier in this batch (the query saw the stored status)
@@ -531,12 +534,13 @@ def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> Non
             set_task_status(task, S.FAILED_CONTROLLER)
             task.failure_reason = reason or NO_FINAL_STATUS
         task.end_time = txn.now
+        ended.append((job_id, task.task_id, S(task.status)))
         _follow_current_task(txn, job, task)
     prior = St(job.schedule_state)
     job.schedule_state = schedule_transition(prior, St.DONE)
     job.end_time = txn.now
     job.wait_reason = ""
-    txn.event(job.id, job.current_task, S(job.status), St.DONE, "done", epoch)
+    end_events(txn, ended, [(job_id, job.current_task, S(job.status))], prior, "done", epoch)
     txn.moves.append(Move(job_id, cid, cid, epoch, prior, St.DONE))
 
 

@@ -36,7 +36,8 @@ Accepted task fields (anything else is an error; a null value means "not set")::
         # unreachable_timeout: 10m           # unset: the backend's default
     sim: {runtime_seconds: 30}   # product extension for the sim backend; also setup_seconds,
                                  # exit_code, exit_code_runs, setup_exit_code, log_lines,
-                                 # preempt_after_seconds
+                                 # preempt_after_seconds, sigterm_exit_seconds (seconds
+                                 # from SIGTERM to exit, or never; unset: exits at once)
 
 Values:
 - ``cpus``, ``memory`` and durations have at most nine digits either side of the
@@ -159,6 +160,7 @@ _SIM_FIELDS: dict[str, f.Converter] = {
     "setup_exit_code": f.integer(-MAX_INT32 - 1, MAX_INT32),
     "exit_code_runs": f.integer(0, MAX_INT32),
     "log_lines": f.string_list,
+    "sigterm_exit_seconds": f.sigterm_exit,
 }
 
 _TASK_FIELDS: dict[str, f.Converter] = {

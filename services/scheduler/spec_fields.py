@@ -122,6 +122,21 @@ def seconds(value: object, path: str) -> int | float:
     return amount
 
 
+# `sim.sigterm_exit_seconds` of a task that traps SIGTERM and never exits on it.
+NEVER = "never"
+
+
+def sigterm_exit(value: object, path: str) -> int | float | str:
+    """``sim.sigterm_exit_seconds``: seconds from SIGTERM to the task's exit, or ``never``."""
+    if value == NEVER:
+        return NEVER
+    if isinstance(value, str):
+        raise SpecError(path, f"expected a number of seconds or {NEVER}, got {quote(value)}")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise expected(f"a number of seconds or {NEVER}", value, path)
+    return seconds(value, path)
+
+
 def integer(low: int, high: int) -> Converter:
     def convert(value: object, path: str) -> int:
         if not isinstance(value, int) or isinstance(value, bool):

@@ -17,11 +17,12 @@ Invariants kept here, whatever the caller does:
   is the answer. Never read-then-write.
 - A task status only changes along `TASK_TRANSITIONS` (`set_task_status`, or a
   conditional bulk UPDATE from `task_sources`).
-- Every change writes an event row in the same transaction. An assignment's
-  event carries the new epoch; a replica's report carries the report's epoch; a
-  move of a held job (a launch slot requested, granted or given back, a release)
-  carries the job's epoch at the move. Only the scheduler's own events of jobs no
-  replica holds carry 0.
+- Every change writes an event row in the same transaction, each task's status
+  change its own (a job that ends writes one per task it ends, `end_events`). An
+  assignment's event carries the new epoch; a replica's report carries the
+  report's epoch; a move of a held job (a launch slot requested, granted or given
+  back, a release) carries the job's epoch at the move. Only the scheduler's own
+  events of jobs no replica holds carry 0.
 
 Reports from replicas are applied in `reports.py`, cancels in `cancels.py`; both
 use this module's transactions and helpers.
@@ -346,6 +347,49 @@ def set_task_statuses(
         )
         moved += [(int(j), int(t)) for j, t in rows.all()]
     return moved
+
+
+def end_events(
+    txn: Txn,
+    ended: Iterable[tuple[int, int, JobStatus]],
+    ends: Iterable[tuple[int, int, JobStatus]],
+    before: ScheduleState,
+    message: str,
+    epoch: int = 0,
+) -> None:
+    """The events of jobs that end in `txn` (contract §4: every change is an event).
+
+    `ended`: (job_id, task_id, new status) of each task the end moved; `ends`: (job_id,
+    the task the job shows, the job's status) of each job. Per job, in task order, an
+    event for each task it moved other than the one it shows, with the job still in
+    `before`; then its end, naming the task it shows: its one event in DONE, and its last.
+    """
+    moved: dict[int, list[tuple[int, JobStatus]]] = {}
+    for job_id, task_id, status in ended:
+        moved.setdefault(job_id, []).append((task_id, status))
+    for job_id, shown, status in ends:
+        for task_id, new in sorted(moved.get(job_id, ())):
+            if task_id != shown:
+                txn.event(job_id, task_id, new, before, message, epoch)
+        txn.event(job_id, shown, status, St.DONE, message, epoch)
+
+
+def end_unstarted(
+    txn: Txn, job_ids: Sequence[int], first: JobStatus, message: str, **first_values: Any
+) -> None:
+    """Ends WAITING jobs (every task still PENDING) that the jobs table has made DONE: the
+    first task becomes `first` (with `first_values`), the others CANCELLED, each with
+    its event, then the job's end (`end_events`)."""
+    ended: list[tuple[int, int, JobStatus]] = []
+    if first != S.CANCELLED:
+        moved = set_task_statuses(
+            txn, job_ids, [S.PENDING], first, task_id=0, end_time=txn.now, **first_values
+        )
+        ended += [(job_id, task_id, first) for job_id, task_id in moved]
+    moved = set_task_statuses(txn, job_ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
+    ended += [(job_id, task_id, S.CANCELLED) for job_id, task_id in moved]
+    end_events(txn, ended, [(job_id, 0, first) for job_id in job_ids], St.WAITING, message)
+    txn.moves += [Move(job_id, None, None, 0, St.WAITING, St.DONE) for job_id in job_ids]
 
 
 def chunked(items: Sequence[T], size: int = IN_CHUNK) -> list[Sequence[T]]:

@@ -53,6 +53,7 @@ def launch_spec(request: pb.LaunchRequest) -> LaunchSpec:
         preempt_after=(
             behavior.preempt_after_seconds if behavior.HasField("preempt_after_seconds") else None
         ),
+        sigterm_exit=None if behavior.sigterm_ignored else behavior.sigterm_exit_seconds,
     )
     return LaunchSpec(
         cluster_name=request.cluster_name,

@@ -241,6 +241,8 @@ class TaskBehavior(_message.Message):
     LOG_LINES_FIELD_NUMBER: _builtins.int
     PREEMPT_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     EXIT_CODE_RUNS_FIELD_NUMBER: _builtins.int
+    SIGTERM_EXIT_SECONDS_FIELD_NUMBER: _builtins.int
+    SIGTERM_IGNORED_FIELD_NUMBER: _builtins.int
     runtime_seconds: _builtins.float
     """Simulated seconds the run takes; 1 when unset. Durations here are 0..1e10."""
     setup_seconds: _builtins.float
@@ -261,6 +263,12 @@ class TaskBehavior(_message.Message):
     """When > 0, only the first this many runs of this (job, task) exit with
     exit_code; later runs exit 0. 0: every run does.
     """
+    sigterm_exit_seconds: _builtins.float
+    """It traps SIGTERM and exits (143) this many simulated seconds later, unless
+    SIGKILL at the end of the grace comes first.
+    """
+    sigterm_ignored: _builtins.bool
+    """True: it traps SIGTERM and never exits on it; only SIGKILL ends it."""
     @_builtins.property
     def log_lines(self) -> Global___LogLines:
         """Emitted evenly over the runtime; when unset: one line "<cluster_name>: running".
@@ -278,19 +286,25 @@ class TaskBehavior(_message.Message):
         log_lines: Global___LogLines | None = ...,
         preempt_after_seconds: _builtins.float | None = ...,
         exit_code_runs: _builtins.int = ...,
+        sigterm_exit_seconds: _builtins.float = ...,
+        sigterm_ignored: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "sigterm", b"sigterm", "sigterm_exit_seconds", b"sigterm_exit_seconds", "sigterm_ignored", b"sigterm_ignored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "exit_code", b"exit_code", "exit_code_runs", b"exit_code_runs", "has_setup", b"has_setup", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "setup_exit_code", b"setup_exit_code", "setup_seconds", b"setup_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "exit_code", b"exit_code", "exit_code_runs", b"exit_code_runs", "has_setup", b"has_setup", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "setup_exit_code", b"setup_exit_code", "setup_seconds", b"setup_seconds", "sigterm", b"sigterm", "sigterm_exit_seconds", b"sigterm_exit_seconds", "sigterm_ignored", b"sigterm_ignored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__preempt_after_seconds: _TypeAlias = _typing.Literal["preempt_after_seconds"]  # noqa: Y015
     _WhichOneofArgType__preempt_after_seconds: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds"]  # noqa: Y015
     _WhichOneofReturnType__runtime_seconds: _TypeAlias = _typing.Literal["runtime_seconds"]  # noqa: Y015
     _WhichOneofArgType__runtime_seconds: _TypeAlias = _typing.Literal["_runtime_seconds", b"_runtime_seconds"]  # noqa: Y015
+    _WhichOneofReturnType_sigterm: _TypeAlias = _typing.Literal["sigterm_exit_seconds", "sigterm_ignored"]  # noqa: Y015
+    _WhichOneofArgType_sigterm: _TypeAlias = _typing.Literal["sigterm", b"sigterm"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__preempt_after_seconds) -> _WhichOneofReturnType__preempt_after_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__runtime_seconds) -> _WhichOneofReturnType__runtime_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_sigterm) -> _WhichOneofReturnType_sigterm | None: ...
 
 Global___TaskBehavior: _TypeAlias = TaskBehavior  # noqa: Y015
 
@@ -695,7 +709,8 @@ class TerminateRequest(_message.Message):
     """Simulated seconds between SIGTERM to a live task and the end of the cluster."""
     keep_cluster: _builtins.bool
     """Stop the task only: SIGTERM, and SIGKILL after `grace_seconds` (the task ends
-    FAILED with exit code 137); the cluster stays UP with its log until a Terminate
+    FAILED with exit code 137) unless it exited on the SIGTERM (143, see
+    TaskBehavior.sigterm); the cluster stays UP with its log until a Terminate
     without this. Returns once the task is no longer live.
     """
     def __init__(
