@@ -1,6 +1,6 @@
 """Cancels on running jobs: spaced out, all at once, and of tasks that trap SIGTERM.
 
-Starts the whole system (bench/system.py) and runs long jobs until they are all
+Starts the whole system (harness/bench/system.py) and runs long jobs until they are all
 RUNNING, three times over:
 
 - `spaced`: 20 jobs, cancelled one at a time 1.5 s apart (each cancel its own
@@ -26,18 +26,13 @@ that traps SIGTERM CANCELLED within grace + 1 s.
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from system import LONG_SPEC, CpuMeter, JobEvents, channel, run_jobs_bench, summary
-
+from harness.bench.system import LONG_SPEC, CpuMeter, JobEvents, channel, run_jobs_bench, summary
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.controller.config import LifecycleConfig
-from services.stack import Stack
+from services.launcher.stack import Stack
 
 # The long task, and the same task trapping SIGTERM.
 TRAPS_SPEC = LONG_SPEC.replace("sim: {", "sim: {sigterm_exit_seconds: never, ")

@@ -1,13 +1,13 @@
 """Benchmark: the randomized fault run at length, over many seeds, and what its history shows.
 
-The run of `tests/test_history.py` (`tests/history_run.py`), longer and more often:
+The run of `tests/system/test_history.py` (`harness/history_run.py`), longer and more often:
 the whole system as processes (scheduler on a fresh PostgreSQL database, three
 controller replicas, logs, a seeded sim cloud), a seeded workload of jobs and
 chains with cancels right after submit, while launching and later, and a seeded
 fault schedule of replica SIGKILLs, replicas paused past their lease, scheduler
 restarts, PostgreSQL outages and spot preemptions. Each seed's durable record is
-judged by the history checker (`tests/history.py`). With `--mutations`, also the
-mutation runs (`tests/history_mutations.py`): the system with one protection turned
+judged by the history checker (`harness/history.py`). With `--mutations`, also the
+mutation runs (`harness/history_mutations.py`): the system with one protection turned
 off by a test-only switch, in the situation that protection exists for, which the
 checker must catch, and the same with every protection on, which it must pass.
 Records one JSON line (`results.py`): the violations per kind and the faults
@@ -35,14 +35,11 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
-
-from faults import FaultKind  # noqa: E402
-from history_mutations import MUTATIONS, run_mutation  # noqa: E402
-from history_run import RunConfig, run_history  # noqa: E402
-from reliability import ADMIN_URL  # noqa: E402
-from results import record  # noqa: E402
+from harness.bench.results import record
+from harness.faults import FaultKind
+from harness.history_mutations import MUTATIONS, run_mutation
+from harness.history_run import RunConfig, run_history
+from harness.reliability import ADMIN_URL
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -77,7 +74,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--ci",
         action="store_true",
-        help="the CI test's run (tests/test_history.py) for each seed; other sizes ignored",
+        help="the CI test's run (tests/system/test_history.py) for each seed; other sizes ignored",
     )
     return parser.parse_args(argv)
 

@@ -34,25 +34,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sqlite3
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from machine import probe_filesystem
-from results import record
 from sqlalchemy import Connection, text
-from system import postgres_database, summary
 
+from harness.bench.machine import probe_filesystem
+from harness.bench.results import record
+from harness.bench.system import postgres_database, summary
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.reports import Reports
-from services.scheduler.spec import parse_job_spec
+from services.scheduler.spec.parse import parse_job_spec
 from services.scheduler.store import NewJob, Store
 
 SELECT = text("SELECT 1")

@@ -1,7 +1,7 @@
 """The event log's vocabulary: the messages whose words are read back, by code.
 
 Most event messages are for people (`mj watch`, `mj status`). These are read back:
-the history checker (`tests/history.py`) judges a run from the event log by them
+the history checker (`harness/history.py`) judges a run from the event log by them
 (who held a job from when, when a cancel was accepted, which rule of the
 scheduler changed a status), and the soak's figures read the releases. Each is
 defined once, here, and imported where it is written and where it is read, so a

@@ -1,7 +1,7 @@
 """Test-only switches that turn one protection off. Never set them outside a test.
 
-The history checker (`tests/history.py`) is shown to catch a broken system by
-running the real one with one protection turned off (`tests/test_history_mutations.py`):
+The history checker (`harness/history.py`) is shown to catch a broken system by
+running the real one with one protection turned off (`tests/system/test_history_mutations.py`):
 each switch below removes exactly one protection, at one place in the code, and
 the checker must then report the violation that protection prevents.
 

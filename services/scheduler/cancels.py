@@ -25,8 +25,8 @@ from sqlalchemy import ColumnElement, and_, select, true, update
 from services.common.event_messages import CANCEL_REQUESTED, CANCELLED_BEFORE_START
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
-from services.scheduler.id_lists import in_ids
-from services.scheduler.models import JOBS, JobRow
+from services.scheduler.db.id_lists import in_ids
+from services.scheduler.db.models import JOBS, JobRow
 from services.scheduler.outbox import Outbox
 from services.scheduler.store import Store, Txn, end_unstarted
 

@@ -22,7 +22,7 @@ from sqlalchemy import func, select, update
 
 from services.common.event_messages import MAX_PENDING_EXCEEDED
 from services.common.statuses import JobStatus, ScheduleState
-from services.scheduler.models import JobRow
+from services.scheduler.db.models import JobRow
 from services.scheduler.store import Store, Txn, end_unstarted
 
 log = logging.getLogger(__name__)

@@ -21,9 +21,9 @@ from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from services.common import logs, settings, test_switches
-from services.common.edge import ServerSecurity, server_security
 from services.common.errors import register_translator
 from services.common.metrics import METRICS_PORT, serve_metrics
+from services.common.security.edge import ServerSecurity, server_security
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
 from services.scheduler import metrics

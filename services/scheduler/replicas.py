@@ -37,7 +37,6 @@ import grpc
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
-from services.common.access import current_principal, require_controller
 from services.common.batches import MAX_BATCH_MESSAGES, Batches
 from services.common.bounds import BoundsError, check_controller_id, quote
 from services.common.errors import (
@@ -48,6 +47,7 @@ from services.common.errors import (
     rpc_errors,
 )
 from services.common.event_messages import NO_LONGER_RUNS_IT, lease_expired
+from services.common.security.access import current_principal, require_controller
 from services.common.statuses import ScheduleState
 from services.scheduler import metrics
 from services.scheduler.admission import Admission

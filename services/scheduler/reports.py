@@ -51,9 +51,9 @@ from services.common.statuses import (
 )
 from services.common.test_switches import EPOCH_CHECK_AT_REPORT, disabled
 from services.scheduler import convert, metrics
-from services.scheduler.id_lists import ids_param, in_ids
-from services.scheduler.models import ATTEMPTS, JOBS, TASKS, JobRow
-from services.scheduler.rows import Tracked, values_of
+from services.scheduler.db.id_lists import ids_param, in_ids
+from services.scheduler.db.models import ATTEMPTS, JOBS, TASKS, JobRow
+from services.scheduler.db.rows import Tracked, values_of
 from services.scheduler.store import (
     IDS,
     Move,

@@ -56,9 +56,8 @@ from services.common.statuses import (
 )
 from services.scheduler import convert
 from services.scheduler.db import Database
-from services.scheduler.events import EventBus
-from services.scheduler.id_lists import ids_param, in_ids
-from services.scheduler.models import (
+from services.scheduler.db.id_lists import ids_param, in_ids
+from services.scheduler.db.models import (
     ATTEMPTS,
     EVENTS,
     JOBS,
@@ -67,8 +66,9 @@ from services.scheduler.models import (
     JobRow,
     TaskRow,
 )
-from services.scheduler.rows import Tracked, write_back
-from services.scheduler.spec import resources_summary
+from services.scheduler.db.rows import Tracked, write_back
+from services.scheduler.events import EventBus
+from services.scheduler.spec.parse import resources_summary
 
 log = logging.getLogger(__name__)
 
