@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import statistics
 import subprocess
 import sys
@@ -80,9 +81,9 @@ class BenchReplica:
                         capacity=pb.Capacity(max_launches=1_000_000, max_jobs=1_000_000),
                     ),
                 )
-                while True:
+                for seq in itertools.count(2):
                     await asyncio.sleep(1)
-                    yield pb.ConnectControllerRequest(heartbeat=pb.ControllerHeartbeat())
+                    yield pb.ConnectControllerRequest(seq=seq, heartbeat=pb.ControllerHeartbeat())
 
             async for response in stub.ConnectController(requests()):
                 now = time.perf_counter()

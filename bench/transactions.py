@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import sqlite3
 import tempfile
 import time
@@ -88,10 +89,11 @@ async def batches(url: str, size: int, rounds: int, synchronous: str) -> dict[st
     reports = Reports(store)
     spec = parse_job_spec("name: bench\nrun: train\n")
     cpu = dict.fromkeys(("move", "starting", "running", "release"), 0.0)
+    numbers = itertools.count(1)
 
     def report(job_id: int, epoch: int, status: JobStatus) -> pb.ConnectControllerRequest:
         change = pb.TaskTransition(job_id=job_id, epoch=epoch, status=int(status), attempt=1)  # type: ignore[arg-type]
-        return pb.ConnectControllerRequest(transition=change)
+        return pb.ConnectControllerRequest(seq=next(numbers), transition=change)
 
     try:
         for round_ in range(rounds):

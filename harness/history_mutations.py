@@ -382,21 +382,23 @@ class ReplicaStream:
             return self.assignments[0]
 
     def _send(self, **message: object) -> int:
+        """Numbers the request (once for all the replica's streams) and sends it, in order."""
         assert self._outbox is not None
+        return self._numbered(self._outbox, **message)
+
+    def _numbered(
+        self, outbox: queue.Queue[pb.ConnectControllerRequest | None], **message: object
+    ) -> int:
         with self._changed:
             self._seq += 1
-            seq = self._seq
-        self._outbox.put(pb.ConnectControllerRequest(seq=seq, **message))  # type: ignore[arg-type]
-        return seq
+            outbox.put(pb.ConnectControllerRequest(seq=self._seq, **message))  # type: ignore[arg-type]
+            return self._seq
 
     def _beat(
         self, outbox: queue.Queue[pb.ConnectControllerRequest | None], stopped: threading.Event
     ) -> None:
         while not stopped.wait(HEARTBEAT):
-            with self._changed:
-                self._seq += 1
-                seq = self._seq
-            outbox.put(pb.ConnectControllerRequest(seq=seq, heartbeat=pb.ControllerHeartbeat()))
+            self._numbered(outbox, heartbeat=pb.ControllerHeartbeat())
 
     def _read(self, call: Iterator[pb.ConnectControllerResponse]) -> None:
         try:

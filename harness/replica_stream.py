@@ -41,6 +41,8 @@ class Replica:
         self.acks: dict[int, asyncio.Future[pb.ReportAck]] = {}
         self.held: Held | None = None
         self.assigned = asyncio.Event()
+        # Every message the scheduler sent, in order (a batch's one by one).
+        self.received: list[pb.ConnectControllerResponse] = []
         self.seq = 1
         stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
         self.call = stub.ConnectController(self._requests())
@@ -54,6 +56,7 @@ class Replica:
         self.outbox.put_nowait(pb.ConnectControllerRequest(seq=self._next(), hello=hello))
         first = await asyncio.wait_for(self.call.read(), 5)
         assert first is not grpc.aio.EOF
+        self.received.append(first)
         self.reader = asyncio.create_task(self._read())
         return first
 
@@ -65,6 +68,7 @@ class Replica:
         while (response := await self.call.read()) is not grpc.aio.EOF:
             assert isinstance(response, pb.ConnectControllerResponse)
             for message in unbatched(response):
+                self.received.append(message)
                 kind = message.WhichOneof("message")
                 if kind == "assignment":
                     self.held = Held(message.assignment.job.job_id, message.assignment.epoch)

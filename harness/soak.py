@@ -47,7 +47,11 @@ from harness.reliability import (
     system,
 )
 from harness.workload import Workload, plan_workload, run_problems
-from services.common.event_messages import LEASE_EXPIRED_PREFIX, RESUMED_ON
+from services.common.event_messages import (
+    LEASE_EXPIRED,
+    RESUMED_ON,
+    STREAM_CLOSED,
+)
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.launcher.stack import Stack
 
@@ -82,8 +86,10 @@ class Resume:
     replica: str
     seconds: float
     resumed_on: str
-    # True when the job moved because the lease expired; False when something else
-    # moved it first (its stream closed, or the restarted replica's hello did not name it).
+    # Why the job moved: the killed replica's stream closed (its lease ended at once),
+    # its lease expired, or neither (the restarted replica came back first, its hello
+    # no longer naming the job).
+    stream_closed: bool
     lease_expired: bool
 
 
@@ -120,7 +126,9 @@ def resumes(
                     )
                 continue
             resumed = after[resumed_index]
-            expired = any(e.message.startswith(LEASE_EXPIRED_PREFIX) for e in after[:resumed_index])
+            released = [e.message for e in after[:resumed_index]]
+            closed = STREAM_CLOSED.format(hit.target) in released
+            expired = LEASE_EXPIRED.format(hit.target) in released
             running = next(
                 (
                     e
@@ -138,6 +146,7 @@ def resumes(
                     replica=hit.target,
                     seconds=running.time - hit.started,
                     resumed_on=assignee(resumed),
+                    stream_closed=closed,
                     lease_expired=expired,
                 )
             )

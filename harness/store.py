@@ -3,6 +3,8 @@ follow its moves, as the scheduler's own parts do."""
 
 from __future__ import annotations
 
+import itertools
+
 from sqlalchemy import func, select
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
@@ -38,29 +40,37 @@ async def assign(store: Store, job_id: int, controller: str = "c1") -> int:
     return moves[0].epoch
 
 
+# Reports are numbered as a replica numbers them: each with the next number.
+NUMBERS = itertools.count(1)
+
+
 def transition(
     job_id: int, epoch: int, status: JobStatus, task_id: int = 0, **kw: object
 ) -> pb.ConnectControllerRequest:
     return pb.ConnectControllerRequest(
+        seq=next(NUMBERS),
         transition=pb.TaskTransition(
             job_id=job_id,
             epoch=epoch,
             task_id=task_id,
             status=int(status),
             **kw,  # type: ignore[arg-type]
-        )
+        ),
     )
 
 
 def finished(job_id: int, epoch: int, reason: str = "") -> pb.ConnectControllerRequest:
     return pb.ConnectControllerRequest(
-        job_finished=pb.JobFinished(job_id=job_id, epoch=epoch, failure_reason=reason)
+        seq=next(NUMBERS),
+        job_finished=pb.JobFinished(job_id=job_id, epoch=epoch, failure_reason=reason),
     )
 
 
 async def report(
     store: Store, cid: str, *requests: pb.ConnectControllerRequest
 ) -> list[pb.ReportAck]:
+    for request in requests:
+        request.seq = request.seq or next(NUMBERS)
     return (await Reports(store).apply(cid, requests)).acks
 
 

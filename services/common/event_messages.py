@@ -11,8 +11,8 @@ The events they name (contract §4, §5, §8, §9):
 
 - an assignment (`ADMITTED_ON`, `RESUMED_ON` + the controller id) carries the
   new assignment epoch;
-- a release (`RELEASE_PREFIXES`: the lease ran out, the replica handed the job
-  back or no longer runs it) carries the epoch released;
+- a release (`RELEASE_PREFIXES`: the lease ran out or the stream closed, the
+  replica handed the job back or no longer runs it) carries the epoch released;
 - `CANCEL_REQUESTED` is the scheduler's record of an accepted cancel of a job a
   replica may hold; `CANCELLED_BEFORE_START` ends a job no replica took;
 - `MAX_PENDING_EXCEEDED` begins the reason of a job no replica took in time;
@@ -32,18 +32,19 @@ CANCELLED_BEFORE_START = "cancelled before start"
 MAX_PENDING_EXCEEDED = "max_pending exceeded"
 CLEANUP_FAILED = "cleanup failed"
 
+# Releases, each `.format(controller_id)` where it names the replica. Every lease's end
+# begins with LEASE_EXPIRED_PREFIX.
 LEASE_EXPIRED_PREFIX = "lease of "
+# A replica silent for its lease's TTL.
+LEASE_EXPIRED = LEASE_EXPIRED_PREFIX + "{} expired"
+# A replica whose stream closed: its jobs move at once.
+STREAM_CLOSED = LEASE_EXPIRED_PREFIX + "{} ended: its stream closed"
+# Jobs a commit gave a replica whose lease had already ended.
+LEASE_ENDED = LEASE_EXPIRED_PREFIX + "{} had ended"
 HANDED_BACK_PREFIX = "handed back by "
+# A drain, or a replica that lost its lease.
+HANDED_BACK = HANDED_BACK_PREFIX + "{}"
+# A replica that said hello without the job.
 NO_LONGER_RUNS_IT = "the replica no longer runs it"
 RELEASED = "released"
 RELEASE_PREFIXES = (LEASE_EXPIRED_PREFIX, HANDED_BACK_PREFIX, NO_LONGER_RUNS_IT, RELEASED)
-
-
-def lease_expired(controller_id: str) -> str:
-    """The release of a replica's jobs when its lease ran out."""
-    return f"{LEASE_EXPIRED_PREFIX}{controller_id} expired"
-
-
-def handed_back(controller_id: str) -> str:
-    """The release of jobs a replica gave back (a drain, a lost lease)."""
-    return f"{HANDED_BACK_PREFIX}{controller_id}"

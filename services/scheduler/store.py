@@ -170,7 +170,8 @@ def _moves(*returning: Any) -> dict[tuple[bool, bool], Any]:
     invariants), returning `returning`: by (assigning, held by a given replica)."""
     moving = update(JOBS).where(in_ids(J.id, param=IDS), J.schedule_state == bindparam("old"))
     plain = moving.values(schedule_state=bindparam("new"), wait_reason="").returning(*returning)
-    # Assigning hands the jobs to a replica with the next epoch; only jobs nobody holds.
+    # Assigning hands the jobs to a replica with the next epoch (whose reports are numbered
+    # afresh); only jobs nobody holds.
     assign = (
         moving.where(J.controller_id.is_(None))
         .values(
@@ -178,6 +179,7 @@ def _moves(*returning: Any) -> dict[tuple[bool, bool], Any]:
             wait_reason="",
             controller_id=bindparam("to"),
             epoch=J.epoch + 1,
+            report_seq=0,
         )
         .returning(*returning)
     )

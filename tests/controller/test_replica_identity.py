@@ -44,6 +44,7 @@ class Stream:
         stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
         self.call = stub.ConnectController(self._requests())
         self.assigned: list[int] = []
+        self.seq = 1
 
     async def _requests(self) -> AsyncIterator[pb.ConnectControllerRequest]:
         while True:
@@ -55,7 +56,9 @@ class Stream:
         return first.welcome
 
     async def heartbeat(self) -> None:
-        self.outbox.put_nowait(pb.ConnectControllerRequest(heartbeat=pb.ControllerHeartbeat()))
+        self.seq += 1
+        heartbeat = pb.ConnectControllerRequest(seq=self.seq, heartbeat=pb.ControllerHeartbeat())
+        self.outbox.put_nowait(heartbeat)
 
     async def read_assignments(self, count: int) -> None:
         while len(self.assigned) < count:

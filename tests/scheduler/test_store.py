@@ -382,6 +382,36 @@ async def test_release_frees_slots_and_marks_starting_recovering(store: Store) -
     assert await followed.matches_a_recount(store)
 
 
+async def test_a_report_applied_before_is_a_replay_and_a_new_assignment_numbers_afresh(
+    store: Store,
+) -> None:
+    job_id, _ = await store.submit(new_job())
+    epoch = await assign(store, job_id)
+    starting = transition(job_id, epoch, S.STARTING, message="up")
+    [first] = await report(store, "c1", starting)
+    [again] = await report(store, "c1", starting)  # its answer was lost: sent again
+    assert (first.accepted, first.replay) == (True, False)
+    assert (again.accepted, again.replay, again.ack_seq) == (True, True, starting.seq)
+    query = select(EventRow.message).where(EventRow.job_id == job_id)
+    messages = await store.read(lambda conn: conn.execute(query).scalars().all())
+    assert messages.count("up") == 1
+    # Another holder numbers its reports its own way: they are judged from 0 again.
+    await Reports(store).release_replica("c1")
+    [moved] = await store.move_many([job_id], St.ALIVE, St.ALIVE, assign_to="c2")
+    epoch = moved.epoch
+    running = transition(job_id, epoch, S.RUNNING, attempt=1)
+    running.seq = 1
+    [fresh] = await report(store, "c2", running)
+    assert (fresh.accepted, fresh.replay) == (True, False)
+    assert (await store.get_job(job_id)).tasks[0].status == S.RUNNING
+    # A report without a number is refused, not taken for a replay.
+    unnumbered = transition(job_id, epoch, S.SUCCEEDED)
+    unnumbered.seq = 0
+    [refused] = (await Reports(store).apply("c2", [unnumbered])).acks
+    assert (refused.accepted, Refusal(refused.refusal)) == (False, Refusal.INVALID)
+    assert "seq" in refused.reason
+
+
 async def test_handback_releases_only_the_epochs_it_names(store: Store) -> None:
     followed = Followed(store)
     a, _ = await store.submit(new_job())

@@ -34,11 +34,11 @@ from services.common.event_messages import (
     ADMITTED_ON,
     CANCEL_REQUESTED,
     CANCELLED_BEFORE_START,
+    HANDED_BACK,
+    LEASE_EXPIRED,
     MAX_PENDING_EXCEEDED,
     RESUMED_ON,
     SUBMITTED,
-    handed_back,
-    lease_expired,
 )
 from services.common.statuses import JobStatus, ScheduleState
 
@@ -110,7 +110,7 @@ class Run:
         state = self.state[job][1]
         self.event(
             job,
-            lease_expired(controller),
+            LEASE_EXPIRED.format(controller),
             status=status,
             state=St.ALIVE if state == St.LAUNCHING else state,
             epoch=self.epochs[job],
@@ -648,7 +648,7 @@ def test_a_release_of_an_epoch_that_was_not_current_is_reported() -> None:
     run = good_run()
     cluster = paused_holder(run, 7)
     run.resume(7, "controller-2", 2)
-    run.event(7, handed_back("controller-1"), epoch=1)  # the old epoch given back
+    run.event(7, HANDED_BACK.format("controller-1"), epoch=1)  # the old epoch given back
     run.resume(7, "controller-3", 3)
     run.finish_run(cluster)
     run.report(7, S.SUCCEEDED, 3)

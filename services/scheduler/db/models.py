@@ -69,6 +69,9 @@ class JobRow(Base):
     num_tasks: Mapped[int] = mapped_column(Integer)
     controller_id: Mapped[str | None] = mapped_column(String(128), nullable=True)
     epoch: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The number (`seq`) of the last report about the job applied at this assignment; a
+    # report numbered no higher is a replay. A new assignment starts again from 0.
+    report_seq: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     cancel_requested: Mapped[bool] = mapped_column(default=False)
     recovery_count: Mapped[int] = mapped_column(Integer, default=0)
     failure_reason: Mapped[str] = mapped_column(Text, default="")
