@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.event_messages import CANCEL_REQUESTED, CLEANUP_FAILED
 from services.common.statuses import ACTIVE, JobStatus
 from services.controller.lifecycle import CleanupFailed, JobLifecycle, TaskState
 from services.controller.link import MovedAway, Refused
@@ -82,7 +83,7 @@ async def cleanup(lifecycle: JobLifecycle, cancelled: bool, error: str = "") -> 
     if cancelled:
         for state in lifecycle.tasks:
             if state.status in ACTIVE - {S.CANCELLING}:
-                problems.append(await _report(lifecycle, state, S.CANCELLING, "cancel requested"))
+                problems.append(await _report(lifecycle, state, S.CANCELLING, CANCEL_REQUESTED))
     failures: dict[int, str] = {}
     for state in lifecycle.tasks:
         if state.status == S.PENDING or not state.task.spec.run:
@@ -95,7 +96,7 @@ async def cleanup(lifecycle: JobLifecycle, cancelled: bool, error: str = "") -> 
         try:
             await lifecycle._teardown(state, handle, grace)
         except CleanupFailed as failed:
-            failures[state.task_id] = f"cleanup failed: {failed}"
+            failures[state.task_id] = f"{CLEANUP_FAILED}: {failed}"
             continue
         host.note(f"task {state.task_id}: {handle.cluster_name} is gone")
     for state in lifecycle.tasks:
@@ -160,7 +161,7 @@ async def run_job(lifecycle: JobLifecycle, cancel: CancelRequest) -> str:
         raise
     except Exception as failure:
         log.error("cleanup failed", exc_info=failure, extra={"job_id": lifecycle.job.job_id})
-        reason = f"cleanup failed: controller error: {failure!r}"
+        reason = f"{CLEANUP_FAILED}: controller error: {failure!r}"
         lifecycle.host.note(reason)
         return "; ".join(p for p in [error, reason] if p)
 

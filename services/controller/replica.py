@@ -31,6 +31,7 @@ from services.backends import Backend, ClusterHandle
 from services.common.channels import ClientSecurity
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
+from services.common.test_switches import CANCEL_ON_ASSIGNMENT, disabled
 from services.controller import metrics
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
@@ -316,7 +317,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             if current.epoch >= assignment.epoch:
                 return
             current.stop()
-        if self._early_cancels.get(job.job_id) == assignment.epoch:
+        if disabled(CANCEL_ON_ASSIGNMENT):
+            job.cancel_requested = False
+        elif self._early_cancels.get(job.job_id) == assignment.epoch:
             del self._early_cancels[job.job_id]
             job.cancel_requested = True
         runner = JobRunner(
