@@ -3,7 +3,7 @@
 For each task in order: skip what already finished (resume); a task without
 `run` goes STARTING then SUCCEEDED at once; otherwise STARTING (with its
 resources), launch under the job's launch slot through the task's strategy
-(strategies.py), report RUNNING and give the slot back, then watch.
+(strategies.py, launching.py), report RUNNING and give the slot back, then watch.
 
 Watching (`_until_verdict`) takes one look at the cluster at once (a resumed
 job may have missed news), then sleeps until there is news of it (pushed by the
@@ -69,8 +69,9 @@ from services.backends import (
 )
 from services.common.statuses import TASK_TRANSITIONS, TERMINAL, IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
+from services.controller.launching import Deadline, NoResources, Slot
 from services.controller.link import MovedAway
-from services.controller.strategies import Deadline, NoResources, Slot, Strategy, strategy_for
+from services.controller.strategies import Strategy, strategy_for
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -319,9 +320,13 @@ class JobLifecycle:
             self.job.job_id, self.host.epoch, state.task, self._secrets.get(state.task_id)
         )
         strategy = strategy_for(
-            state.task.spec, self.backend, self.host.slot, self.config, self.host.note
+            state.task.spec,
+            self.backend,
+            self.host.slot,
+            self.config,
+            self.host.note,
+            pending=self._pending_deadline(),
         )
-        strategy.pending = self._pending_deadline()
         if strategy.policy.unreachable_timeout is not None:
             state.unreachable_timeout = strategy.policy.unreachable_timeout
         try:

@@ -62,15 +62,11 @@ from managedjobs.v1 import job_pb2
 from services.backends import Backend, ClusterHandle
 from services.common.statuses import IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
+from services.controller.launching import Backoff
 from services.controller.lifecycle import cluster_name
 from services.controller.link import MovedAway, Refused
 from services.controller.metrics import MeteredBackend
-from services.controller.strategies import (
-    Backoff,
-    EagerNextRegion,
-    Failover,
-    strategy_for,
-)
+from services.controller.strategies import EagerNextRegion, Failover, strategy_for
 from services.scheduler.spec.parse import parse_job_spec
 
 S = JobStatus
