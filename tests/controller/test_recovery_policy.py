@@ -28,9 +28,8 @@ from harness.lifecycle_harness import (
     start_job,
 )
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
-from services.backends import Backend, TaskRequest
+from services.backends import Backend, TaskRequest, cluster_name
 from services.common.statuses import JobStatus
-from services.controller.lifecycle import cluster_name
 
 S = JobStatus
 SPOT = "resources:\n  use_spot: true\n"
