@@ -54,6 +54,14 @@ class TaskState(enum.IntEnum):
     FAILED_SETUP = 6
 
 
+class CallKind(enum.IntEnum):
+    """Mirrors simcloud.v1.ClusterCallKind."""
+
+    TERMINATE = 1
+    STOP = 2
+    NOTICE = 3
+
+
 HOLDS_CAPACITY = frozenset({ClusterState.INIT, ClusterState.UP})
 TASK_FINISHED = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.FAILED_SETUP})
 
@@ -111,6 +119,8 @@ class Cluster:
     """One launch, live or ended; also its inventory record."""
 
     __slots__ = (
+        "calls",
+        "calls_dropped",
         "cluster_id",
         "epoch",
         "event_seq",
@@ -196,6 +206,10 @@ class Cluster:
         self.exit_at: float | None = None
         # (plan lines emitted before it, text) for each signal note in the log.
         self.notes: list[tuple[int, str]] | None = None
+        # (kind, epoch, simulated time) of each terminate, stop and notice let through
+        # (fence.py keeps it).
+        self.calls: list[tuple[CallKind, int, float]] | None = None
+        self.calls_dropped = 0
         # Resolved when the launch completes or fails; the Launch RPC awaits it.
         self.waiter: asyncio.Future[None] | None = None
         # Resolved when the cluster is terminated; Terminate RPCs await it.

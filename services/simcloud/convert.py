@@ -6,6 +6,7 @@ the model holds can make a reply fail to serialize.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from google.protobuf import timestamp_pb2
@@ -13,6 +14,7 @@ from google.protobuf import timestamp_pb2
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from services.simcloud import bounds
 from services.simcloud.clock import Clock
+from services.simcloud.cloud import Cloud
 from services.simcloud.clusters import DEFAULT_RUNTIME_SECONDS, Cluster, TaskPlan
 from services.simcloud.events import Event
 from services.simcloud.regions import LaunchSpec, Region
@@ -100,6 +102,15 @@ def cluster(clock: Clock, c: Cluster) -> pb.Cluster:
         notice_delivered_deadline=wall_timestamp(c.notice_delivered_deadline),
         sigterm_time=timestamp(clock, c.sigterm_time),
         event_seq=c.event_seq,
+        calls=[
+            pb.ClusterCall(
+                kind=int(kind),  # type: ignore[arg-type]
+                epoch=epoch,
+                call_time=timestamp(clock, when),
+            )
+            for kind, epoch, when in c.calls or ()
+        ],
+        calls_dropped=c.calls_dropped,
     )
 
 
@@ -136,4 +147,19 @@ def region(r: Region) -> pb.Region:
         preemptions_per_hour=r.preemptions_per_hour,
         failing_launches=r.failing_launches,
         notice_seconds=r.notice_seconds,
+    )
+
+
+def cloud_state(cloud: Cloud) -> pb.GetCloudStateResponse:
+    """The cloud's counters and regions, as GetCloudState answers."""
+    counters = dataclasses.asdict(cloud.state())
+    # The fields of `CloudState` are the response's, but for one time.
+    until = counters.pop("unreachable_until")
+    return pb.GetCloudStateResponse(
+        start_time=timestamp(cloud.clock, 0.0),
+        time_scale=cloud.clock.time_scale,
+        seed=cloud.config.seed,
+        regions=[region(r) for r in cloud.regions.values()],
+        unreachable_until_time=timestamp(cloud.clock, until),
+        **counters,
     )
