@@ -55,7 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.bench.results import record
 from harness.bench.system import LONG_SPEC, postgres_database, running_system, summary
-from harness.history import RELEASE_PREFIXES, counter_drift, is_release
+from harness.history import counter_drift, is_release
 from harness.reliability import (
     Client,
     Database,
@@ -69,6 +69,7 @@ from managedjobs.v1 import scheduler_service_pb2_grpc
 from services.cli.client import Client as MjClient
 from services.cli.client import ServiceError
 from services.common.channels import ClientSecurity, open_sync_channel
+from services.common.event_messages import RELEASE_PREFIXES
 from services.common.statuses import TERMINAL, JobStatus
 from services.launcher.stack import Stack
 

@@ -33,10 +33,10 @@ from collections.abc import Mapping, Sequence
 
 import grpc
 
-from harness.history import RESUMED_PREFIX
 from harness.reliability import Client, EventLog, Log, PostgresServer, quiet
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_pb2
+from services.common.event_messages import RESUMED_ON
 from services.common.statuses import ScheduleState
 from services.launcher.service import Service
 from services.launcher.stack import Stack
@@ -191,8 +191,8 @@ def handed_elsewhere(by_job: Mapping[int, Sequence[job_pb2.JobEvent]], record: F
         for event in by_job.get(job_id, []):
             if event.time.ToNanoseconds() / 1e9 < record.started:
                 continue
-            holder = event.message.removeprefix(RESUMED_PREFIX).strip()
-            moved = event.message.startswith(RESUMED_PREFIX) and holder != record.target
+            holder = event.message.removeprefix(RESUMED_ON).strip()
+            moved = event.message.startswith(RESUMED_ON) and holder != record.target
             if moved or event.schedule_state == ScheduleState.DONE:
                 return True
         return False
@@ -312,7 +312,7 @@ class FaultRunner:
         elif kind == FaultKind.RESTART_SCHEDULER:
             crash = fault.pick % 2 == 1
             record.detail = "SIGKILL" if crash else "SIGTERM"
-            self.stack.scheduler.restart(timeout=60, kill=crash)
+            self.client.restart_scheduler(kill=crash)
         elif kind == FaultKind.DATABASE_OUTAGE:
             assert self.database is not None
             self.database.stop()

@@ -2,9 +2,12 @@
 
 The record is what outlives every process: the scheduler's event log (one row per
 change, in id order, each with the epoch that wrote it) and the sim cloud's
-inventory (every cluster ever launched, by which job, task and epoch, and when it
-was preempted and terminated), plus the cloud's fencing counters and snapshots of
-the scheduler's counters taken at quiescent points. `check` reads a `History` and
+inventory (every cluster ever launched, by which job, task and epoch, when it was
+preempted and terminated, and every terminate, stop and notice it let through with
+the caller's epoch), plus the cloud's fencing counters, snapshots of the
+scheduler's counters taken at quiescent points and the corrections its reconcile
+made, and what the client itself knows: how many tasks each job has, and which
+cancels it sent and which the server answered. `check` reads a `History` and
 returns every `Violation` it finds, each naming its job and the evidence (event
 ids, cluster ids, times relative to the first record), so that a failed run can be
 explained without its processes. It is pure: no I/O, no clock, no processes.
@@ -17,34 +20,42 @@ What the checker relies on (the event log's contract, contract §4, §5, §8, §
 - an assignment of a job to a replica is an event whose message is
   `admitted on <controller>` or `resumed on <controller>` and whose epoch is the
   new assignment epoch;
+- a move of a held job's launch slot (requested, granted, given back) is an event
+  with the job's epoch, and its status is the task's as the move found it;
 - a replica losing a job (lease expired, handed back, no longer announced) is an
-  event whose message is one of `RELEASE_PREFIXES`;
+  event whose message is one of `RELEASE_PREFIXES`, with the epoch released;
 - an accepted cancel of a job not DONE writes `cancel requested` (or `cancelled
-  before start` when no replica had taken the job);
+  before start` when no replica had taken the job), at epoch 0;
 - the job's end is the (one) event with schedule state DONE, naming the task the
   job shows; just before it, in its transaction, each other task the end moved has
   an event of its own (with the end's message and epoch);
-- every other event the scheduler makes carries epoch 0.
+- every other event the scheduler makes (of jobs no replica holds) carries epoch 0.
 
-Every message the checker reads meaning from is a constant of this module; keep
-them in step with the scheduler's. A message renamed there makes the checks that
-read it weaker, except a release's: unrecognised, its STARTING to RECOVERING reads
-as a stale write.
+Every message the checker reads meaning from is imported from the product's own
+vocabulary (`services/common/event_messages.py`), never copied: renamed there, it
+is renamed here. The client's record of its cancels is checked against the log's
+cancel events too, so a cancel the log does not show as such is reported, whatever
+its words.
 
 The violation kinds (`Kind`) and what each one means:
 
 - `terminal_status`: the job did not end DONE exactly once, ended in a status that
-  is not terminal, left a task without a terminal status, or changed a task's
+  is not terminal, left a task without a terminal status, changed a task's
   terminal status (only a later FAILED_CONTROLLER whose message says the cleanup
-  failed is allowed, contract §4).
+  failed is allowed, contract §4), or ended SUCCEEDED while one of its tasks (as
+  many as the client submitted) never succeeded.
 - `cancel_not_honoured`: a cancel was accepted while the job was not terminal
   (by the replicas' reports before it in the log: no task failed or was cancelled,
-  and not every task the log names had succeeded) and the job ended other than
+  and not every task of the job had succeeded) and the job ended other than
   CANCELLED. Decisions: FAILED_CONTROLLER is allowed only when an event of the
   job says the cleanup failed (contract §4: resources may have leaked). A job whose
   last task's run had already ended with exit 0 on the cloud (the inventory) when
   the cancel was accepted may end SUCCEEDED: a cancel stops work, it cannot undo
   work done, and the SUCCEEDED report was on its way.
+- `cancel_record`: the client's record of its cancels and the log disagree: the
+  server answered a cancel of a job whose log has no cancel event (a lost cancel,
+  or one written in words the checker does not know), or the log has a cancel of a
+  job the client never asked to cancel.
 - `rerun_after_success`: a task ran again after it SUCCEEDED: a later STARTING,
   RUNNING or RECOVERING event of the task, or a cluster of the task launched after
   its success (the earlier of its SUCCEEDED event and a cluster of the task whose
@@ -53,26 +64,30 @@ The violation kinds (`Kind`) and what each one means:
   preemption or termination), or a launch that replaced a live cluster.
 - `stale_report`: a replica event whose epoch is not the job's current assignment
   epoch at that point of the log (none is current between a release and the next
-  assignment); or an epoch-0 event that moved the job's schedule state while no
-  replica held it (a slot request or release of a replica that lost the job).
+  assignment), a release of an epoch that was not current, or an epoch-0 event
+  that moved the job's schedule state while no replica held it, other than the
+  scheduler's end of a job no replica took (a cancel before start, max_pending).
 - `stale_scheduler_write`: an epoch-0 event (the scheduler's own) that records a
   task status other than the one the log had reached, where no rule of the
-  scheduler changes it (only a release turning STARTING into RECOVERING, and a
-  cancel before start, do): the scheduler wrote what it read before a report
+  scheduler changes it (only a release turning STARTING into RECOVERING, and the
+  end of a job no replica holds turning a PENDING task CANCELLED or
+  FAILED_NO_RESOURCE, do): the scheduler wrote what it read before a report
   committed. Its table may then hold the same stale value (a lost update).
-- `stale_call`: a launch whose epoch was not the job's assignment current at its
-  launch time (by event times), a launch after the job ended, or any launch or
-  terminate the sim cloud had to refuse as stale: the controller's own fencing
-  must stop stale calls before the cloud's fencing has to.
+- `stale_call`: a launch, terminate, stop or notice whose epoch was not the job's
+  assignment current at its time (by event times), one after the job ended, or
+  any call the sim cloud had to refuse as stale: the controller's own fencing must
+  stop stale calls before the cloud's fencing has to, and the cloud cannot refuse
+  one at a cluster that the job's new holder adopted without launching.
 - `controller_failed`: a task ended FAILED_CONTROLLER without a recorded cleanup
   failure: by contract §4, our bug.
 - `counter_drift`: at a quiescent point the scheduler's counters differ from a
-  recount of its jobs table.
+  recount of its jobs table, or its reconcile had to correct them at all (it
+  repairs drift silently: a correction is a move committed and never counted).
 - `cluster_left`: a cluster of a finished (or unknown) job was never terminated.
 - `log_contract`: the log lacks what the rules above promise (an assignment event
-  without its epoch, assignment epochs that do not increase). The checker goes on
-  with the epoch the scheduler's rule implies (one more than the last), so the
-  other checks still judge such a log.
+  without its epoch, assignment epochs that do not increase, a task the job does
+  not have). The checker goes on with the epoch the scheduler's rule implies (one
+  more than the last), so the other checks still judge such a log.
 """
 
 from __future__ import annotations
@@ -83,31 +98,25 @@ import enum
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
+from services.common.event_messages import (
+    ASSIGNMENT_PREFIXES,
+    CANCEL_REQUESTED,
+    CANCELLED_BEFORE_START,
+    CLEANUP_FAILED,
+    RELEASE_PREFIXES,
+)
 from services.common.statuses import ALIVE_STATES, TERMINAL, JobStatus, ScheduleState
 
 S = JobStatus
 St = ScheduleState
 
-# --- the event log's vocabulary: every message the checker reads meaning from ---------------
+# --- reading meaning from the event log (the words are the product's own) -------------------
 
-ADMITTED_PREFIX = "admitted on "
-RESUMED_PREFIX = "resumed on "
-ASSIGNMENT_PREFIXES = (ADMITTED_PREFIX, RESUMED_PREFIX)
-CANCEL_REQUESTED = "cancel requested"
-CANCELLED_BEFORE_START = "cancelled before start"
 CANCEL_MESSAGES = (CANCEL_REQUESTED, CANCELLED_BEFORE_START)
-# "lease of <controller> expired", "handed back by <controller>", a replica that
-# reconnected without the job, and the store's default.
-LEASE_EXPIRED_PREFIX = "lease of "
-RELEASE_PREFIXES = (
-    LEASE_EXPIRED_PREFIX,
-    "handed back by ",
-    "the replica no longer runs it",
-    "released",
-)
-CLEANUP_FAILED_PREFIX = "cleanup failed"
 # A task running again (a launch or a watch) rather than finishing.
 RUN_STATUSES = frozenset({S.STARTING, S.RUNNING, S.RECOVERING})
+# What the scheduler's end of a job no replica took makes of its PENDING tasks.
+UNSTARTED_ENDS = frozenset({S.CANCELLED, S.FAILED_NO_RESOURCE})
 
 
 def is_assignment(event: EventRecord) -> bool:
@@ -119,20 +128,13 @@ def is_release(event: EventRecord) -> bool:
 
 
 def is_cancel(event: EventRecord) -> bool:
-    return event.message in CANCEL_MESSAGES
+    """The scheduler's record of an accepted cancel (a replica's CANCELLING report may
+    use the same words; it is not the acceptance)."""
+    return event.epoch == 0 and event.message in CANCEL_MESSAGES
 
 
 def is_cleanup_failure(event: EventRecord) -> bool:
-    return event.message.startswith(CLEANUP_FAILED_PREFIX)
-
-
-def carries_status(event: EventRecord) -> bool:
-    """Whether the event's status is its task's own: a replica's report (or its job's end),
-    or a cancel before start. The scheduler's other events echo the job's status as it
-    read it, which `stale_scheduler_write` judges."""
-    return (event.epoch > 0 and not is_assignment(event)) or (
-        event.message == CANCELLED_BEFORE_START
-    )
+    return event.message.startswith(CLEANUP_FAILED)
 
 
 def assignee(event: EventRecord) -> str:
@@ -161,6 +163,16 @@ class EventRecord:
 
 
 @dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """A terminate, stop or notice the sim cloud let through for a cluster."""
+
+    kind: str  # "terminate", "stop" or "notice"
+    # The caller's epoch (0: an operator, never judged).
+    epoch: int
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterRecord:
     """One inventory record of the sim cloud; times are Unix seconds, None when unset."""
 
@@ -175,6 +187,7 @@ class ClusterRecord:
     preempt_time: float | None = None
     terminate_time: float | None = None
     replaced: bool = False
+    calls: tuple[CallRecord, ...] = ()
 
     @property
     def end_time(self) -> float:
@@ -194,6 +207,7 @@ class CloudCounters:
 
     stale_launches_rejected: int = 0
     stale_terminates_rejected: int = 0
+    stale_notices_rejected: int = 0
     unterminated_clusters: int = 0
 
 
@@ -212,11 +226,27 @@ class CounterSnapshot:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClientCancels:
+    """The client's own record of its cancels: the jobs it asked to cancel, and those the
+    server's answers named as cancelled (every one of which the log must show).
+    `everything`: it also cancelled by name or all of a user's jobs, so a cancel event of a
+    job it never named is no surprise."""
+
+    sent: Collection[int] = ()
+    answered: Collection[int] = ()
+    everything: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class History:
     """Everything a finished run left behind.
 
     `job_ids`: the jobs that must be judged (those submitted); by default, every
     job in the log. A job submitted but absent from the log is a lost submission.
+    `tasks`: how many tasks each job was submitted with (the client's record); by
+    default, as many as its log names. `counter_corrections`: how many counter
+    differences the scheduler's reconcile found and fixed during the run (every
+    life of it, summed). `cancels`: the client's record of its cancels, when it kept one.
     """
 
     events: Sequence[EventRecord]
@@ -224,11 +254,15 @@ class History:
     job_ids: Collection[int] | None = None
     cloud: CloudCounters | None = None
     counters: Sequence[CounterSnapshot] = ()
+    tasks: Mapping[int, int] | None = None
+    counter_corrections: int = 0
+    cancels: ClientCancels | None = None
 
 
 class Kind(enum.StrEnum):
     TERMINAL_STATUS = "terminal_status"
     CANCEL_NOT_HONOURED = "cancel_not_honoured"
+    CANCEL_RECORD = "cancel_record"
     RERUN_AFTER_SUCCESS = "rerun_after_success"
     OVERLAPPING_CLUSTERS = "overlapping_clusters"
     STALE_REPORT = "stale_report"
@@ -304,6 +338,12 @@ def _event(e: EventRecord, t: _Clock) -> str:
     )
 
 
+def _holder(current: int | None) -> str:
+    if current is None:
+        return "no replica held the job"
+    return f"the current assignment epoch was {current}"
+
+
 def _cluster(c: ClusterRecord, t: _Clock) -> str:
     return f"cluster {c.name}#{c.cluster_id} (epoch {c.epoch}, launched {t(c.launch_time)})"
 
@@ -311,11 +351,18 @@ def _cluster(c: ClusterRecord, t: _Clock) -> str:
 class JobLog:
     """One job's events in log order, read once: who held it when, and where it ended."""
 
-    def __init__(self, job_id: int, events: Sequence[EventRecord], t: _Clock) -> None:
+    def __init__(
+        self, job_id: int, events: Sequence[EventRecord], t: _Clock, num_tasks: int | None = None
+    ) -> None:
         self.job_id = job_id
         self.events = list(events)
         self.end = next((e for e in self.events if e.schedule_state == St.DONE), None)
-        self.last_task = max((e.task_id for e in self.events), default=0)
+        # The end's transaction: the end and, just before it, the events of the other
+        # tasks it moved (they share its time).
+        self.closing = self._closing()
+        # As many tasks as the client submitted, else as many as the log names.
+        named = max((e.task_id for e in self.events), default=0) + 1
+        self.num_tasks = num_tasks or named
         # The first accepted cancel, and whether the job was terminal then (by the log).
         self.cancel: EventRecord | None = None
         self.terminal_at_cancel = False
@@ -323,6 +370,32 @@ class JobLog:
         self._diverged: set[int] = set()
         self.violations: list[Violation] = []
         self._read(t)
+
+    def _closing(self) -> set[int]:
+        if self.end is None:
+            return set()
+        ids = {self.end.event_id}
+        for e in reversed([e for e in self.events if e.event_id < self.end.event_id]):
+            if e.time != self.end.time:
+                break
+            ids.add(e.event_id)
+        return ids
+
+    def ends_unstarted(self, e: EventRecord) -> bool:
+        """Whether the event is the scheduler's end of the job no replica took (a cancel
+        before start, max_pending): of the end's transaction, at epoch 0, recording a
+        task CANCELLED or FAILED_NO_RESOURCE."""
+        return e.epoch == 0 and e.event_id in self.closing and e.status in UNSTARTED_ENDS
+
+    def carries_status(self, e: EventRecord) -> bool:
+        """Whether the event's status is its task's own: a replica's report (or its job's
+        end, or a move of its launch slot, made at its epoch), or the scheduler's end of a
+        job no replica took. The scheduler's other events (assignments, releases, its
+        epoch-0 events) echo the job's status as it read it, which
+        `stale_scheduler_write` judges."""
+        if e.epoch > 0:
+            return not is_assignment(e) and not is_release(e)
+        return self.ends_unstarted(e)
 
     def _read(self, t: _Clock) -> None:
         """Follows the assignment epoch and the tasks' statuses through the log, in order;
@@ -333,6 +406,12 @@ class JobLog:
         # changed it): what the scheduler's epoch-0 events must agree with.
         tasks: dict[int, JobStatus] = {}
         state: ScheduleState | None = None
+        foreign = sorted({e.task_id for e in self.events if e.task_id >= self.num_tasks})
+        if foreign:
+            self._flag(
+                Kind.LOG_CONTRACT,
+                f"the log names tasks {foreign} of a job submitted with {self.num_tasks}",
+            )
         # Events after the end are `_terminal`'s to report: the job changed after it ended.
         for e in self.events:
             if self.cancel is None and is_cancel(e):
@@ -355,16 +434,19 @@ class JobLog:
                 current = epoch
                 self.holdings.append(Holding(e, epoch))
             elif is_release(e):
+                if e.epoch and e.epoch != current:
+                    self._flag(
+                        Kind.STALE_REPORT,
+                        f"{_event(e, t)} released epoch {e.epoch} while " + _holder(current),
+                        e,
+                    )
                 current = None
                 self.holdings.append(Holding(e, None))
             elif e.epoch > 0:
                 if e.epoch != current:
-                    why = (
-                        "no replica held the job"
-                        if current is None
-                        else f"the current assignment epoch was {current}"
+                    self._flag(
+                        Kind.STALE_REPORT, f"{_event(e, t)} accepted while {_holder(current)}", e
                     )
-                    self._flag(Kind.STALE_REPORT, f"{_event(e, t)} accepted while {why}", e)
                 tasks[e.task_id] = e.status
                 self._diverged.discard(e.task_id)
             if e.epoch == 0 or is_assignment(e) or is_release(e):
@@ -376,10 +458,10 @@ class JobLog:
 
     def _terminal(self, tasks: Mapping[int, JobStatus]) -> bool:
         """Whether the job was terminal with these task statuses: a task failed or was
-        cancelled, or every task (as many as the log ever names) succeeded."""
+        cancelled, or every task of the job succeeded."""
         if any(s in TERMINAL and s != S.SUCCEEDED for s in tasks.values()):
             return True
-        return all(tasks.get(task) == S.SUCCEEDED for task in range(self.last_task + 1))
+        return all(tasks.get(task) == S.SUCCEEDED for task in range(self.num_tasks))
 
     def _check_scheduler_event(
         self,
@@ -389,10 +471,13 @@ class JobLog:
         current: int | None,
         t: _Clock,
     ) -> None:
-        """An epoch-0 event may change a status only where the scheduler does so itself."""
+        """An epoch-0 event may change a status only where the scheduler does so itself:
+        a release turns STARTING into RECOVERING, and the end of a job no replica holds
+        turns its PENDING tasks CANCELLED or FAILED_NO_RESOURCE."""
         before = tasks.get(e.task_id, S.PENDING)
+        unstarted_end = self.ends_unstarted(e) and current is None
         if e.status != before and state is not None:
-            if (e.message == CANCELLED_BEFORE_START and e.status == S.CANCELLED) or (
+            if (unstarted_end and before == S.PENDING) or (
                 is_release(e) and before == S.STARTING and e.status == S.RECOVERING
             ):
                 tasks[e.task_id] = e.status
@@ -405,14 +490,13 @@ class JobLog:
                     f"{before.name}: the scheduler wrote what it read before that committed",
                     e,
                 )
-        if state is not None and e.schedule_state != state and current is None:
-            explained = e.message == CANCELLED_BEFORE_START or is_release(e)
-            if not explained:
-                self._flag(
-                    Kind.STALE_REPORT,
-                    f"{_event(e, t)} moved the job from {state.name} while no replica held it",
-                    e,
-                )
+        moved = state is not None and e.schedule_state != state
+        if moved and current is None and not (unstarted_end or is_release(e)):
+            self._flag(
+                Kind.STALE_REPORT,
+                f"{_event(e, t)} moved the job from {state.name} while no replica held it",
+                e,
+            )
 
     def _flag(self, kind: Kind, evidence: str, e: EventRecord | None = None) -> None:
         task = e.task_id if e is not None else None
@@ -430,7 +514,7 @@ class JobLog:
         """Each task's status-bearing events (`carries_status`), in log order."""
         by_task: dict[int, list[EventRecord]] = collections.defaultdict(list)
         for e in self.events:
-            if carries_status(e):
+            if self.carries_status(e):
                 by_task[e.task_id].append(e)
         return by_task
 
@@ -467,6 +551,19 @@ def _terminal(job: JobLog, t: _Clock) -> list[Violation]:
             flag(
                 Kind.TERMINAL_STATUS, f"ended in {end.status.name}, not terminal: {_event(end, t)}"
             )
+        if end.status == S.SUCCEEDED:
+            succeeded = {
+                e.task_id
+                for e in job.events
+                if e.event_id <= end.event_id and job.carries_status(e) and e.status == S.SUCCEEDED
+            }
+            missing = [task for task in range(job.num_tasks) if task not in succeeded]
+            if missing:
+                flag(
+                    Kind.TERMINAL_STATUS,
+                    f"ended SUCCEEDED ({_event(end, t)}), yet of its {job.num_tasks} tasks "
+                    f"{missing} never succeeded",
+                )
     for task_id, events in sorted(job.task_events().items()):
         first: EventRecord | None = None
         for e in events:
@@ -530,7 +627,7 @@ def _cancel(job: JobLog, clusters: Sequence[ClusterRecord], t: _Clock) -> list[V
     if final == S.CANCELLED or (final == S.FAILED_CONTROLLER and job.cleanup_failed):
         return []
     if final == S.SUCCEEDED:
-        last = job.end.task_id
+        last = job.num_tasks - 1
         done = [c.succeeded_at for c in clusters if c.task_id == last and c.succeeded_at]
         if done and min(done) <= accepted.time:
             return []
@@ -615,12 +712,14 @@ def _overlaps(clusters: Sequence[ClusterRecord], t: _Clock) -> list[Violation]:
 
 
 def _stale_calls(job: JobLog, clusters: Sequence[ClusterRecord], t: _Clock) -> list[Violation]:
-    """Every launch made with the assignment epoch current at its launch time."""
+    """Every launch, terminate, stop and notice made with the assignment epoch current at
+    its time (an operator's, at epoch 0, excepted)."""
     out: list[Violation] = []
-    for c in clusters:
-        holding = job.holding_at(c.launch_time)
-        if holding is not None and holding.epoch == c.epoch:
-            continue
+
+    def judge(epoch: int, when: float, what: str, task_id: int) -> None:
+        holding = job.holding_at(when)
+        if holding is not None and holding.epoch == epoch:
+            return
         if holding is None:
             why = "no assignment had been made yet"
         elif holding.event is job.end:
@@ -629,9 +728,16 @@ def _stale_calls(job: JobLog, clusters: Sequence[ClusterRecord], t: _Clock) -> l
             why = f"no replica held the job since {_event(holding.event, t)}"
         else:
             why = f"the assignment was epoch {holding.epoch} since {_event(holding.event, t)}"
-        out.append(
-            Violation(Kind.STALE_CALL, job.job_id, f"{_cluster(c, t)} while {why}", c.task_id)
-        )
+        out.append(Violation(Kind.STALE_CALL, job.job_id, f"{what} while {why}", task_id))
+
+    for c in clusters:
+        judge(c.epoch, c.launch_time, _cluster(c, t), c.task_id)
+        for call in c.calls:
+            if call.epoch:
+                what = (
+                    f"a {call.kind} of {_cluster(c, t)} with epoch {call.epoch} at {t(call.time)}"
+                )
+                judge(call.epoch, call.time, what, c.task_id)
     return out
 
 
@@ -658,7 +764,8 @@ def _cloud(cloud: CloudCounters, clusters: Sequence[ClusterRecord]) -> list[Viol
     out: list[Violation] = []
     for what, n in (
         ("launches", cloud.stale_launches_rejected),
-        ("terminates", cloud.stale_terminates_rejected),
+        ("terminates or stops", cloud.stale_terminates_rejected),
+        ("notices", cloud.stale_notices_rejected),
     ):
         if n:
             out.append(
@@ -678,6 +785,51 @@ def _cloud(cloud: CloudCounters, clusters: Sequence[ClusterRecord]) -> list[Viol
             )
         )
     return out
+
+
+def _cancel_record(
+    cancels: ClientCancels, jobs: Mapping[int, JobLog], t: _Clock
+) -> list[Violation]:
+    """Every cancel the server answered shows in the log as a cancel; every cancel in the
+    log was asked for."""
+    out: list[Violation] = []
+    sent = set(cancels.sent)
+    for job_id in sorted(set(cancels.answered)):
+        job = jobs.get(job_id)
+        if job is not None and job.cancel is None:
+            out.append(
+                Violation(
+                    Kind.CANCEL_RECORD,
+                    job_id,
+                    "the server answered its cancel, yet the log has no cancel event "
+                    f"({', '.join(repr(m) for m in CANCEL_MESSAGES)}): a lost cancel",
+                )
+            )
+    if cancels.everything:
+        return out
+    for job_id, job in sorted(jobs.items()):
+        if job.cancel is not None and job_id not in sent:
+            out.append(
+                Violation(
+                    Kind.CANCEL_RECORD,
+                    job_id,
+                    f"{_event(job.cancel, t)}, yet the client never asked to cancel the job",
+                )
+            )
+    return out
+
+
+def _corrections(n: int) -> list[Violation]:
+    if not n:
+        return []
+    return [
+        Violation(
+            Kind.COUNTER_DRIFT,
+            None,
+            f"the scheduler's reconcile corrected its counters {n} times: a move was "
+            "committed without being counted (it repairs the drift silently)",
+        )
+    ]
 
 
 def expected_counters(
@@ -745,9 +897,11 @@ def check(history: History, kinds: Collection[Kind] | None = None) -> list[Viola
             )
             for c in clusters
         )
+    jobs: dict[int, JobLog] = {}
     for job_id in sorted(wanted):
         clusters = clusters_of.get(job_id, [])
-        job = JobLog(job_id, by_job.get(job_id, []), t)
+        tasks = None if history.tasks is None else history.tasks.get(job_id)
+        job = jobs[job_id] = JobLog(job_id, by_job.get(job_id, []), t, tasks)
         out.extend(job.violations)
         out.extend(_terminal(job, t))
         out.extend(_cancel(job, clusters, t))
@@ -757,8 +911,11 @@ def check(history: History, kinds: Collection[Kind] | None = None) -> list[Viola
     out.extend(_overlaps([c for c in history.clusters if c.job_id in wanted | unknown], t))
     if history.cloud is not None:
         out.extend(_cloud(history.cloud, history.clusters))
+    if history.cancels is not None:
+        out.extend(_cancel_record(history.cancels, jobs, t))
     for snapshot in history.counters:
         out.extend(counter_drift(snapshot))
+    out.extend(_corrections(history.counter_corrections))
     out.sort(key=lambda v: (v.job_id is None, v.job_id or 0))
     if kinds is not None:
         out = [v for v in out if v.kind in kinds]

@@ -14,7 +14,9 @@ system is quiet and reads its durable record:
 2. a first quiescent point: only the long jobs are left, RUNNING and watched, so
    the scheduler's counters are compared with a recount while they are not zero;
 3. the long jobs are cancelled and DONE; a second quiescent point, everything zero;
-4. the whole event log, the inventory and the cloud's counters, judged by
+4. the whole event log, the inventory, the cloud's counters and the counter
+   corrections of every life of the scheduler, with the client's own record (how
+   many tasks each job has, the cancels it sent and had answered), judged by
    `history.check`.
 
 `plan` is a pure function of the config (the seed): the same seed gives the same
@@ -197,7 +199,9 @@ def _judge(
     workload.close()
     snapshots.append(counter_snapshot(s.client, s.db, "everything done"))
     problems.extend(run_problems(s.stack, s.client, workload, not_done))
-    history = collect_history(s.client, s.db, workload.job_ids.values(), snapshots)
+    history = collect_history(
+        s.client, s.db, workload.job_ids.values(), snapshots, workload.tasks()
+    )
     violations = check(history)
     jobs = [j for j in s.client.list_jobs() if j.job_id in set(workload.job_ids.values())]
     planned = collections.Counter(f.kind.value for f in runner.plan)
@@ -215,6 +219,7 @@ def _judge(
             sorted(collections.Counter(JobStatus(j.status).name for j in jobs).items())
         ),
         "recoveries": sum(j.recovery_count for j in jobs),
+        "counter_corrections": history.counter_corrections,
         **cloud_figures(s.client),
         "events": len(history.events),
         "submit_retries": dict(s.client.retried),

@@ -7,10 +7,13 @@ through its public APIs (JobService, SchedulerService, ControllerService,
 grpc.health.v1 and the sim cloud's operator API), and judges it by what contract §9
 and §16 promise, from the durable record alone: `collect_history` reads the
 database's whole event log (with epochs) once the system is quiet, the sim cloud's
-inventory (who launched each cluster, with which epoch, and when it was preempted
-and terminated) and its fencing counters, and `history.check` judges them (one
-terminal status per job, no finished task redone, no two live clusters of a task,
-no stale epoch accepted or used, no cluster left, counters equal to a recount).
+inventory (who launched each cluster, with which epoch, when it was preempted
+and terminated, and every terminate, stop and notice it let through, with its
+epoch) and its fencing counters, the scheduler's counter corrections, and the
+client's own record of its cancels; `history.check` judges them (one terminal
+status per job, no finished task redone, no two live clusters of a task, no
+stale epoch accepted or used, no cluster left, every answered cancel in the log,
+counters equal to a recount and never corrected).
 
 The workloads and fault schedules live in `workload.py` and `faults.py`; the chaos
 soak in `soak.py` and the randomized fault run in `history_run.py`. Randomness
@@ -40,7 +43,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -49,6 +52,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from harness.history import (
+    CallRecord,
+    ClientCancels,
     CloudCounters,
     ClusterRecord,
     CounterSnapshot,
@@ -403,6 +408,13 @@ class Client:
         self.cloud = spb_grpc.SimOperatorServiceStub(self.channel(stack.simcloud_address))
         # Submission retries by status code name.
         self.retried: collections.Counter[str] = collections.Counter()
+        # The client's own record of its cancels, for the history checker: the jobs it
+        # asked to cancel, those the answers named, and whether it cancelled all of them.
+        self.cancels_sent: set[int] = set()
+        self.cancels_answered: set[int] = set()
+        self.cancelled_everything = False
+        # Counter corrections the scheduler's earlier lives had made (`restart_scheduler`).
+        self.earlier_corrections = 0
 
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
@@ -475,11 +487,39 @@ class Client:
 
     def cancel(self, job_ids: Sequence[int]) -> None:
         request = pb.CancelJobsRequest(job_ids=list(job_ids))
-        self.retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
+        with self._lock:
+            self.cancels_sent.update(job_ids)
+        reply = self.retrying(lambda: self.jobs.CancelJobs(request, timeout=30))
+        with self._lock:
+            self.cancels_answered.update(reply.cancelled_job_ids)
 
     def cancel_all(self, user: str = USER) -> None:
         request = pb.CancelJobsRequest(all=True, user=user)
-        self.retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
+        with self._lock:
+            self.cancelled_everything = True
+        reply = self.retrying(lambda: self.jobs.CancelJobs(request, timeout=120), deadline=180)
+        with self._lock:
+            self.cancels_answered.update(reply.cancelled_job_ids)
+
+    def cancels(self) -> ClientCancels:
+        """The record of the cancels this client sent and had answered."""
+        with self._lock:
+            return ClientCancels(
+                frozenset(self.cancels_sent),
+                frozenset(self.cancels_answered),
+                self.cancelled_everything,
+            )
+
+    def restart_scheduler(self, kill: bool = False, timeout: float = 60.0) -> None:
+        """Restarts the scheduler (SIGKILL with `kill`, else SIGTERM), keeping the counter
+        corrections its life made: the count starts again at 0 with the next one."""
+        self.earlier_corrections += int(self.scheduler_state().counter_corrections)
+        self.stack.scheduler.restart(timeout=timeout, kill=kill)
+
+    def counter_corrections(self) -> int:
+        """Counter differences the scheduler's reconcile found and fixed, over every life of
+        it this client restarted."""
+        return self.earlier_corrections + int(self.scheduler_state().counter_corrections)
 
     def scheduler_state(self) -> scheduler_service_pb2.GetSchedulerStateResponse:
         request = scheduler_service_pb2.GetSchedulerStateRequest()
@@ -715,7 +755,12 @@ def describe_cluster(cluster: spb.Cluster) -> str:
     }
     when = " ".join(f"{k}={v:.3f}" for k, v in times.items() if v is not None)
     status = spb.ClusterStatus.Name(cluster.status)
-    return f"{cluster.name}#{cluster.cluster_id} epoch {cluster.epoch} {status} {when}"
+    calls = " ".join(
+        f"{spb.ClusterCallKind.Name(c.kind).removeprefix('CLUSTER_CALL_KIND_').lower()}"
+        f"@{c.epoch}={_ts(c.call_time) or 0.0:.3f}"
+        for c in cluster.calls
+    )
+    return f"{cluster.name}#{cluster.cluster_id} epoch {cluster.epoch} {status} {when} {calls}"
 
 
 def describe_job(client: Client, db: Database | None, job_id: int) -> str:
@@ -744,6 +789,15 @@ def describe_job(client: Client, db: Database | None, job_id: int) -> str:
 
 def cluster_record(cluster: spb.Cluster) -> ClusterRecord:
     """An inventory record as the history checker reads it."""
+    kinds = {
+        spb.CLUSTER_CALL_KIND_TERMINATE: "terminate",
+        spb.CLUSTER_CALL_KIND_STOP: "stop",
+        spb.CLUSTER_CALL_KIND_NOTICE: "notice",
+    }
+    calls = tuple(
+        CallRecord(kinds.get(c.kind, "unknown call"), int(c.epoch), _ts(c.call_time) or 0.0)
+        for c in cluster.calls
+    )
     return ClusterRecord(
         cluster_id=int(cluster.cluster_id),
         name=cluster.name,
@@ -756,6 +810,7 @@ def cluster_record(cluster: spb.Cluster) -> ClusterRecord:
         preempt_time=_ts(cluster.preempt_time),
         terminate_time=_ts(cluster.terminate_time),
         replaced=bool(cluster.replaced),
+        calls=calls,
     )
 
 
@@ -796,8 +851,11 @@ def collect_history(
     db: Database,
     job_ids: Iterable[int] | None = None,
     counters: Sequence[CounterSnapshot] = (),
+    tasks: Mapping[int, int] | None = None,
 ) -> History:
-    """The durable record of a run: the whole event log, the inventory, the cloud's counters."""
+    """The durable record of a run: the whole event log, the inventory, the cloud's
+    counters, the scheduler's counter corrections, and the client's own record (its
+    cancels, and `tasks`: how many tasks it submitted each job with, when it knows)."""
     state = client.cloud_state()
     return History(
         events=db.events(),
@@ -806,9 +864,13 @@ def collect_history(
         cloud=CloudCounters(
             stale_launches_rejected=int(state.stale_launches_rejected),
             stale_terminates_rejected=int(state.stale_terminates_rejected),
+            stale_notices_rejected=int(state.stale_notices_rejected),
             unterminated_clusters=int(state.unterminated_clusters),
         ),
         counters=list(counters),
+        tasks=tasks,
+        counter_corrections=client.counter_corrections(),
+        cancels=client.cancels(),
     )
 
 
@@ -822,6 +884,7 @@ def cloud_figures(client: Client) -> dict[str, int]:
         "unterminated_clusters": int(state.unterminated_clusters),
         "stale_launches_rejected": int(state.stale_launches_rejected),
         "stale_terminates_rejected": int(state.stale_terminates_rejected),
+        "stale_notices_rejected": int(state.stale_notices_rejected),
     }
 
 

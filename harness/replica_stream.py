@@ -17,6 +17,7 @@ from harness.fuzzing import messages
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.channels import MAX_MESSAGE_BYTES
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.controller.link import unbatched
 from services.scheduler.main import SchedulerApp
@@ -126,13 +127,16 @@ ENVELOPES = messages(pb.ConnectControllerRequest.DESCRIPTOR).filter(
 TRANSITIONS = messages(pb.TaskTransition.DESCRIPTOR).map(
     lambda t: pb.ConnectControllerRequest(transition=t)
 )
+# A request over the stream's message limit never reaches the scheduler (gRPC ends the
+# stream RESOURCE_EXHAUSTED before it is read; a replica's link never sends one), so a
+# report drawn that large tests gRPC, not the scheduler: it is drawn again.
 REPORTS = st.builds(
     Aimed,
     st.one_of(ENVELOPES, TRANSITIONS),
     st.sampled_from([True, True, True, False]),
     st.sampled_from([0, 0, 1, 2, -1]),
     st.sampled_from([-1, *(int(s) for s in JobStatus)]),
-)
+).filter(lambda aimed: aimed.request.ByteSize() < MAX_MESSAGE_BYTES - 1024)
 
 
 @dataclasses.dataclass

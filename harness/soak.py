@@ -23,7 +23,6 @@ from typing import Any
 
 from harness.faults import FaultKind, FaultRecord, FaultRunner, plan_replica_faults
 from harness.history import (
-    RESUMED_PREFIX,
     EventRecord,
     Kind,
     Violation,
@@ -48,13 +47,17 @@ from harness.reliability import (
     system,
 )
 from harness.workload import Workload, plan_workload, run_problems
+from services.common.event_messages import (
+    LEASE_EXPIRED,
+    RESUMED_ON,
+    STREAM_CLOSED,
+)
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
 from services.launcher.stack import Stack
-from services.scheduler.replicas import LEASE_EXPIRED, STREAM_CLOSED
 
 # What contract §16 promises of the soak (one terminal status, nothing redone, no duplicate
-# launch, nothing left, counters equal to a recount); the other kinds are counted in
-# its figures.
+# launch, nothing left, counters equal to a recount and never corrected); the other kinds
+# are counted in its figures.
 SOAK_KINDS = frozenset(
     {
         Kind.TERMINAL_STATUS,
@@ -110,7 +113,7 @@ def resumes(
         for job_id in hit.held:
             after = [e for e in by_job.get(job_id, []) if e.time >= hit.started]
             resumed_index = next(
-                (i for i, e in enumerate(after) if e.message.startswith(RESUMED_PREFIX)), None
+                (i for i, e in enumerate(after) if e.message.startswith(RESUMED_ON)), None
             )
             done_index = next(
                 (i for i, e in enumerate(after) if e.schedule_state == ScheduleState.DONE), None
@@ -264,7 +267,7 @@ def analyse_soak(
     problems.extend(job_problems(jobs, workload.cancelled)[:50])
     # Once drained, nothing is in flight: the counters must equal a recount.
     snapshot = counter_snapshot(client, db, "after the drain")
-    history = collect_history(client, db, workload.job_ids.values(), [snapshot])
+    history = collect_history(client, db, workload.job_ids.values(), [snapshot], workload.tasks())
     violations = check(history)
     asserted = [v for v in violations if v.kind in SOAK_KINDS]
     hits = [r for r in chaos.records if r.kind in FAULT_NAMES]
@@ -288,7 +291,7 @@ def analyse_soak(
         # Fault -> the job RUNNING again, by how the replica's stream ended.
         "resume": resume,
         **cloud_figures(client),
-        "counter_corrections": int(client.scheduler_state().counter_corrections),
+        "counter_corrections": history.counter_corrections,
         "recoveries": sum(j.recovery_count for j in jobs),
         "cancel_requests": len(workload.cancelled),
         "statuses": dict(sorted(statuses.items())),

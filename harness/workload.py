@@ -157,6 +157,12 @@ class Workload:
         self._cancels = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="cancel")
         self._thread = threading.Thread(target=self._run, name="workload", daemon=True)
 
+    def tasks(self) -> dict[int, int]:
+        """job id -> how many tasks it was submitted with (the client's record of it)."""
+        with self._lock:
+            ids = dict(self.job_ids)
+        return {ids[j.index]: len(j.runtimes) for j in self.plan.jobs if j.index in ids}
+
     def key(self, index: int) -> str:
         return f"{self.plan.prefix}-{self.run_id}-{index}"
 

@@ -27,16 +27,15 @@ from collections.abc import Callable, Sequence
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.background import Background
+from services.common.event_messages import ADMITTED_ON, RESUMED_ON
 from services.common.statuses import ALIVE_STATES, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.counters import Counters
 from services.scheduler.outbox import Outbox, TooLarge
 from services.scheduler.reports import finish
 from services.scheduler.store import (
-    ADMITTED_ON,
     ALIVE_WAITING_ON,
     ORPHANS,
-    RESUMED_ON,
     Move,
     Store,
     Txn,

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from sqlalchemy import ColumnElement, and_, select, true, update
 
+from services.common.event_messages import CANCEL_REQUESTED, CANCELLED_BEFORE_START
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.db.id_lists import in_ids
@@ -31,8 +32,6 @@ from services.scheduler.store import Store, Txn, end_unstarted
 
 S = JobStatus
 St = ScheduleState
-CANCEL_REQUESTED = "cancel requested"
-CANCELLED_BEFORE_START = "cancelled before start"
 
 
 @dataclasses.dataclass(frozen=True)

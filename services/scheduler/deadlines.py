@@ -21,6 +21,7 @@ from collections.abc import Callable
 from sqlalchemy import func, select, update
 
 from services.common.background import Background
+from services.common.event_messages import MAX_PENDING_EXCEEDED
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db.models import JobRow
 from services.scheduler.store import Store, Txn, end_unstarted
@@ -86,7 +87,7 @@ class PendingDeadlines:
 
 
 def _expire(txn: Txn, why: str) -> list[int]:
-    reason = f"max_pending exceeded while {why}"
+    reason = f"{MAX_PENDING_EXCEEDED} while {why}"
     rows = txn.conn.execute(
         update(JobRow)
         .where(JobRow.schedule_state == St.WAITING, JobRow.pending_deadline <= txn.now)

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
-from services.common import logs, settings
+from services.common import logs, settings, test_switches
 from services.common.background import Background
 from services.common.errors import register_translator
 from services.common.metrics import METRICS_PORT, serve_metrics
@@ -307,6 +307,7 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-scheduler", __doc__ or "", SETTINGS, argv)
     logs.setup("scheduler", args.log_level)
+    test_switches.load("mj-scheduler")
     security = server_security("mj-scheduler", vars(args))
     asyncio.run(serve(args, security))
 

@@ -67,6 +67,12 @@ from services.common.errors import (
     Unavailable,
     rpc_errors,
 )
+from services.common.event_messages import (
+    LEASE_ENDED,
+    LEASE_EXPIRED,
+    NO_LONGER_RUNS_IT,
+    STREAM_CLOSED,
+)
 from services.common.security.access import current_principal, require_controller
 from services.common.sequence import InOrder, OutOfSequence
 from services.common.statuses import ScheduleState
@@ -84,10 +90,6 @@ MAX_BATCH = 512
 MAX_ADDRESS_CHARS = 256
 MAX_REGIONS = 1000
 MAX_REGION_CHARS = 128
-# Why a replica's jobs were released, as their events say (`.format(controller_id)`).
-LEASE_EXPIRED = "lease of {} expired"
-STREAM_CLOSED = "lease of {} ended: its stream closed"
-LEASE_ENDED = "lease of {} had ended"
 # A watchdog that wakes later than this after its deadline woke late: the event loop was
 # busy. It naps this long once more before it judges the lease.
 WATCHDOG_TICK = 0.1
@@ -424,7 +426,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 self.outbox.revoke(cid, job_id, epoch)
         lost = [job_id for job_id, epoch in truth.items() if held.get(job_id) != epoch]
         if lost:
-            await self.reports.release_replica(cid, lost, reason="the replica no longer runs it")
+            await self.reports.release_replica(cid, lost, reason=NO_LONGER_RUNS_IT)
         kept = [job_id for job_id, epoch in truth.items() if held.get(job_id) == epoch]
         stream.sent.update({job_id: truth[job_id] for job_id in kept})
         for job in await self.store.get_jobs(kept):

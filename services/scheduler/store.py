@@ -20,7 +20,9 @@ Invariants kept here, whatever the caller does:
 - Every change writes an event row in the same transaction, each task's status
   change its own (a job that ends writes one per task it ends, `end_events`). An
   assignment's event carries the new epoch; a replica's report carries the
-  report's epoch.
+  report's epoch; a move of a held job (a launch slot requested, granted or given
+  back, a release) carries the job's epoch at the move. Only the scheduler's own
+  events of jobs no replica holds carry 0.
 
 Reports from replicas are applied in `reports.py`, cancels in `cancels.py`; both
 use this module's transactions and helpers.
@@ -43,6 +45,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.event_messages import SUBMITTED
 from services.common.statuses import (
     TASK_TRANSITIONS,
     IllegalTransition,
@@ -84,10 +87,6 @@ ANALYZE = "ANALYZE jobs, tasks, attempts, events"
 S = JobStatus
 St = ScheduleState
 ALIVE_LIST = (St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING)
-# Event messages other parts of the system (and the history checker) rely on.
-SUBMITTED = "submitted"
-ADMITTED_ON = "admitted on "
-RESUMED_ON = "resumed on "
 
 
 def utcnow() -> dt.datetime:
@@ -766,9 +765,11 @@ def move_many(
     )
     for row in rows:
         epoch = row.epoch
-        # The assignment's event carries its new epoch, so the log tells who held what.
+        # A held job's event carries its epoch (an assignment's, the new one), so the log
+        # tells who held what and on whose behalf each move was made.
+        held_by = assign_to or controller_id
         txn.event(row.id, row.current_task, row.status, new, message or new.name,
-                  epoch if assign_to else 0)  # fmt: skip
+                  epoch if held_by else 0)  # fmt: skip
         moves.append(Move(int(row.id), controller_id, assign_to or controller_id, epoch, old, new))
     txn.moves += moves
     jobs: list[job_pb2.Job] = []
@@ -797,7 +798,7 @@ def move_held(
     row = txn.conn.execute(query, params).first()
     if row is None:
         return None
-    txn.event(job_id, row[1], row[0], new, message or new.name)
+    txn.event(job_id, row[1], row[0], new, message or new.name, epoch)
     move = Move(job_id, controller_id, controller_id, epoch, old, new)
     txn.moves.append(move)
     return move

@@ -34,7 +34,10 @@ Rules kept here (regions.py has placement and the precheck):
   ends it. Every status change is an event.
 - Fencing: a launch, a terminate or a notice delivery whose epoch is below the
   highest launched for the job is refused (`StaleEpoch`, counted); epoch 0 on a
-  terminate or a notice means an operator and is never fenced.
+  terminate or a notice means an operator and is never fenced. Every terminate,
+  stop and notice let through is kept in the cluster's record with its epoch and
+  time: one from an epoch the job no longer holds, at a cluster its new holder
+  adopted without launching, passes the fence and shows there.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ import random
 from services.common.errors import InvalidArgument, NotFound
 from services.simcloud import bounds
 from services.simcloud.clock import Clock, ManualClock, ScaledClock, TimerHeap
-from services.simcloud.clusters import Cluster, ClusterState, TaskState
+from services.simcloud.clusters import CallKind, Cluster, ClusterState, TaskState
 from services.simcloud.config import CloudConfig
 from services.simcloud.errors import (
     CloudUnreachable,
@@ -319,6 +322,7 @@ class Cloud:
             self._stale_terminates += 1
             raise
         now = self.clock.now()
+        cluster.record_call(CallKind.TERMINATE, epoch, now)
         if cluster.kill_at is not None:
             # Already under way: a second call may hurry it, never delay it.
             if now + grace < cluster.kill_at:
@@ -350,6 +354,7 @@ class Cloud:
             self._stale_terminates += 1
             raise
         now = self.clock.now()
+        cluster.record_call(CallKind.STOP, epoch, now)
         if cluster.stop_at is None:
             self._sigterm(cluster, now, f"received SIGTERM: stopping, SIGKILL in {grace:g}s")
             if not cluster.task_live:
@@ -429,12 +434,13 @@ class Cloud:
         except StaleEpoch:
             self._stale_notices += 1
             raise
+        now = self.clock.now()
+        cluster.record_call(CallKind.NOTICE, epoch, now)
         if not cluster.task_live:
             return None
         delivered = cluster.notice_delivered_time
         if delivered is not None and cluster.notice_delivered_deadline == deadline:
             return delivered
-        now = self.clock.now()
         cluster.notice_delivered_time = now
         cluster.notice_delivered_deadline = deadline
         self._delivered += 1

@@ -30,12 +30,13 @@ from harness.waiting import reached, wait_for
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.event_messages import LEASE_ENDED
 from services.common.security.edge import ServerSecurity
 from services.common.statuses import ScheduleState as St
 from services.scheduler.admission import Limits
 from services.scheduler.db.models import EventRow
 from services.scheduler.main import SchedulerApp
-from services.scheduler.replicas import LEASE_ENDED, WATCHDOG_TICK
+from services.scheduler.replicas import WATCHDOG_TICK
 
 TTL = 10.0
 HEARTBEAT = 2.0

@@ -38,7 +38,7 @@ from services.common.security.edge import ServerSecurity
 from services.controller.fencing import LeaseGuard
 from services.controller.link import LeaseLost
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
-from services.simcloud.clusters import ClusterState, TaskPlan, TaskState
+from services.simcloud.clusters import MAX_CALLS, CallKind, ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
 from services.simcloud.errors import NoCapacity, PrecheckFailed, PrecheckInvalid, StaleEpoch
 from services.simcloud.events import EventKind
@@ -111,6 +111,7 @@ def test_bad_config_names_the_field(text: str, path: str) -> None:
         (ClusterState, pb.ClusterStatus, "CLUSTER_STATUS_"),
         (TaskState, pb.TaskStatus, "TASK_STATUS_"),
         (EventKind, pb.EventKind, "EVENT_KIND_"),
+        (CallKind, pb.ClusterCallKind, "CLUSTER_CALL_KIND_"),
     ],
 )
 def test_model_enums_mirror_the_proto_enums(model: Any, proto: Any, prefix: str) -> None:
@@ -355,6 +356,39 @@ def test_a_terminate_with_a_stale_epoch_is_refused_and_counted() -> None:
     assert cloud.state().stale_terminates_rejected == 1
     assert cloud.get("c").status == ClusterState.UP
     assert cloud.terminate("c", epoch=2) is True
+
+
+def test_calls_the_fence_lets_through_are_kept_with_their_epochs() -> None:
+    """The fence knows only the highest epoch launched: once the job moved to a holder
+    that adopted the cluster without launching, the old holder's calls pass it. The
+    record keeps every call with its epoch and time, so they show."""
+    clock = ManualClock()
+    cloud = Cloud(small_cloud(preemptions_per_hour=0.0), clock)
+    launch_up(cloud, spec(epoch=1, plan=TaskPlan(runtime=1000.0)))
+    cloud.notify("c", epoch=2, deadline=clock.wall(500.0))  # the new holder, adopting
+    cloud.advance(1.0)
+    cloud.notify("c", epoch=1, deadline=clock.wall(500.0))  # the old one: not refused
+    cloud.begin_stop("c", epoch=2, grace=0.0)
+    cloud.advance(1.0)
+    cloud.begin_terminate("c", epoch=1)
+    cluster = cloud.get("c")
+    assert cluster.status == ClusterState.TERMINATED
+    assert cluster.calls == [
+        (CallKind.NOTICE, 2, 5.0),
+        (CallKind.NOTICE, 1, 6.0),
+        (CallKind.STOP, 2, 6.0),
+        (CallKind.TERMINATE, 1, 7.0),
+    ]
+    # A call the fence refuses is counted, not kept.
+    launch_up(cloud, spec(epoch=3, plan=TaskPlan(runtime=1000.0)))
+    with pytest.raises(StaleEpoch):
+        cloud.notify("c", epoch=2, deadline=clock.wall(500.0))
+    relaunched = cloud.get("c")
+    assert relaunched.calls is None and cloud.state().stale_notices_rejected == 1
+    for _ in range(MAX_CALLS + 3):
+        cloud.notify("c", epoch=0, deadline=clock.wall(600.0))  # an operator's
+    assert relaunched.calls is not None and len(relaunched.calls) == MAX_CALLS
+    assert relaunched.calls_dropped == 3
 
 
 def test_inventory_counts_replacements_and_overlapping_clusters_of_a_task() -> None:
@@ -658,7 +692,7 @@ async def test_inventory_lists_every_cluster_with_who_launched_it(
 ) -> None:
     for job in (1, 2):
         handle = await backend.launch(task(job, epoch=job + 10))
-        await backend.terminate(handle)
+        await backend.terminate(handle, epoch=job + 10)
     await backend.launch(task(1, epoch=11))
     records = await list_inventory(operator, page_size=1)
     assert [(c.job_id, c.epoch, c.HasField("terminate_time")) for c in records] == [
@@ -666,6 +700,15 @@ async def test_inventory_lists_every_cluster_with_who_launched_it(
         (2, 12, True),
         (1, 11, False),
     ]
+    # Who asked for each end, with which epoch, and when (not before the launch).
+    calls = [[(call.kind, call.epoch) for call in c.calls] for c in records]
+    assert calls == [
+        [(pb.CLUSTER_CALL_KIND_TERMINATE, 11)],
+        [(pb.CLUSTER_CALL_KIND_TERMINATE, 12)],
+        [],
+    ]
+    first = records[0]
+    assert first.calls[0].call_time.ToNanoseconds() >= first.launch_time.ToNanoseconds()
     assert [c.cluster_id for c in await list_inventory(operator, job_id=2)] == [2]
     state = await operator.GetCloudState(pb.GetCloudStateRequest())
     assert (state.launched_total, state.terminated_total, state.violations) == (3, 2, 0)

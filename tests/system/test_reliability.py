@@ -39,7 +39,6 @@ import grpc
 import pytest
 
 from harness.history import (
-    RESUMED_PREFIX,
     CounterSnapshot,
     Kind,
     counter_drift,
@@ -68,6 +67,7 @@ from harness.soak import SoakConfig, run_soak
 from harness.waiting import wait_until
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_service_pb2 as pb
+from services.common.event_messages import RESUMED_ON
 from services.common.statuses import JobStatus, ScheduleState
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
@@ -98,7 +98,7 @@ def running_and_watched(events: EventLog, job_id: int) -> bool:
 def resumed_after(events: EventLog, job_id: int, event_id: int) -> bool:
     """Whether the scheduler handed the job to a replica after `event_id`."""
     return any(
-        e.event_id > event_id and e.message.startswith(RESUMED_PREFIX)
+        e.event_id > event_id and e.message.startswith(RESUMED_ON)
         for e in events.by_job.get(job_id, [])
     )
 
@@ -342,7 +342,7 @@ def test_scheduler_restarts_lose_and_duplicate_no_submission(
                     restarted_at.append(len(answers))
                     progress.notify_all()
                 # Odd restarts crash (SIGKILL), even ones stop cleanly (SIGTERM).
-                s.stack.scheduler.restart(timeout=60, kill=k % 2 == 1)
+                s.client.restart_scheduler(kill=k % 2 == 1)
 
         restarter = threading.Thread(target=restart_scheduler, daemon=True)
         restarter.start()

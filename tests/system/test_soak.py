@@ -12,10 +12,11 @@ import sqlite3
 from pathlib import Path
 
 from harness.faults import Fault, FaultKind, FaultRecord, handed_elsewhere, plan_replica_faults
-from harness.history import LEASE_EXPIRED_PREFIX, RESUMED_PREFIX, EventRecord
+from harness.history import EventRecord
 from harness.reliability import Database
 from harness.soak import RESUME_NAMES, resume_figures, resumes
 from managedjobs.v1 import job_pb2
+from services.common.event_messages import LEASE_EXPIRED_PREFIX, RESUMED_ON
 from services.common.statuses import JobStatus, ScheduleState
 
 St = ScheduleState
@@ -57,12 +58,12 @@ def test_a_hit_replicas_jobs_are_elsewhere_once_each_is_resumed_on_another_or_do
     hit.held = [1, 2]
     by_job = {
         # Handed to the same replica before the fault: not a move.
-        1: [job_event(1, 90.0, f"{RESUMED_PREFIX}controller-2")],
+        1: [job_event(1, 90.0, f"{RESUMED_ON}controller-2")],
         2: [],
     }
     assert not handed_elsewhere(by_job, hit)
-    by_job[1].append(job_event(1, 101.0, f"{RESUMED_PREFIX}controller-1"))
-    by_job[2].append(job_event(2, 101.5, f"{RESUMED_PREFIX}controller-3"))
+    by_job[1].append(job_event(1, 101.0, f"{RESUMED_ON}controller-1"))
+    by_job[2].append(job_event(2, 101.5, f"{RESUMED_ON}controller-3"))
     # Job 1 went back to the replica that was hit (it came back first): not elsewhere yet.
     assert not handed_elsewhere(by_job, hit)
     by_job[1].append(job_event(1, 102.0, "", state=St.DONE))
@@ -81,14 +82,14 @@ def test_resume_figures_are_split_by_how_the_replicas_stream_ended() -> None:
     pause.held = [4, 5]
     events = [
         # Stream closed: moved at once, still running (watched again) ...
-        record(1, 100.4, f"{RESUMED_PREFIX}controller-2"),
+        record(1, 100.4, f"{RESUMED_ON}controller-2"),
         # ... or relaunched: RUNNING again at its next RUNNING event.
-        record(2, 100.5, f"{RESUMED_PREFIX}controller-3", JobStatus.RECOVERING, St.LAUNCHING),
+        record(2, 100.5, f"{RESUMED_ON}controller-3", JobStatus.RECOVERING, St.LAUNCHING),
         record(2, 101.5, "running", JobStatus.RUNNING),
         # Job 3 is never resumed and never ends: left.
         # Silent: its lease ran out first.
         record(4, 209.0, f"{LEASE_EXPIRED_PREFIX}controller-2 expired", state=St.ALIVE_WAITING),
-        record(4, 209.2, f"{RESUMED_PREFIX}controller-1"),
+        record(4, 209.2, f"{RESUMED_ON}controller-1"),
         # Ended before it was resumed: no sample, not left.
         record(5, 205.0, "succeeded", JobStatus.SUCCEEDED, St.DONE),
     ]
