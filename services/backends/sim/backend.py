@@ -53,6 +53,7 @@ from services.backends.sim.batching import GET_CLUSTERS_BATCH, Batches, batchabl
 from services.backends.sim.errors import backend_error
 from services.backends.sim.observing import EventWatch, observation
 from services.backends.sim.plans import BACKEND_NAME, launch_request
+from services.common.background import Background
 from services.common.bounds import CLOUD_NAME_RE
 from services.common.channels import ClientSecurity, open_channel
 
@@ -93,7 +94,7 @@ class SimBackend(Backend):
         # From ListRegions, once heard (`load`).
         self._regions: tuple[str, ...] | None = None
         self._time_scale: float | None = None
-        self._loading: asyncio.Task[None] | None = None
+        self._loading = Background("sim-regions", self._load_quietly)
         self._events = EventWatch(self._cloud)
         self._teardowns: set[asyncio.Task[None]] = set()
         self.batched = Batches(
@@ -316,12 +317,12 @@ class SimBackend(Backend):
 
     def regions(self) -> Sequence[str] | None:
         """The cloud's regions once heard (`load`); None before, while a fetch starts."""
-        if self._regions is None and (self._loading is None or self._loading.done()):
+        if self._regions is None:
             try:
-                loop = asyncio.get_running_loop()
+                asyncio.get_running_loop()
             except RuntimeError:
                 return None
-            self._loading = loop.create_task(self._load_quietly(), name="sim-regions")
+            self._loading.start()
         return self._regions
 
     async def _load_quietly(self) -> None:
@@ -338,10 +339,7 @@ class SimBackend(Backend):
         for task in list(self._teardowns):
             task.cancel()
         await asyncio.gather(*self._teardowns, return_exceptions=True)
-        if self._loading is not None:
-            self._loading.cancel()
-            await asyncio.gather(self._loading, return_exceptions=True)
-            self._loading = None
+        await self._loading.stop()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

@@ -35,6 +35,7 @@ from services.backends.ssh.config import Host
 from services.backends.ssh.fleet import Fleet, first
 from services.backends.ssh.hosts import HostUnreachable
 from services.backends.ssh.state import HostScan, LaunchKey
+from services.common.background import Background
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +147,7 @@ class Reaper:
         self._interval = interval
         # A launch that is not ready after this long died half-way.
         self._launch_timeout = launch_timeout
-        self._task: asyncio.Task[None] | None = None
+        self._passes = Background("ssh-reaper", self._forever)
 
     async def reap(self) -> list[Release]:
         """One pass now; the reservations it released."""
@@ -154,9 +155,8 @@ class Reaper:
 
     def start(self) -> None:
         """Starts the passes, unless they run already (or the interval is 0)."""
-        if self._interval <= 0 or (self._task is not None and not self._task.done()):
-            return
-        self._task = asyncio.get_running_loop().create_task(self._forever())
+        if self._interval > 0:
+            self._passes.start()
 
     async def _forever(self) -> None:
         jitter = random.Random()
@@ -169,7 +169,4 @@ class Reaper:
 
     async def close(self) -> None:
         """Stops the passes."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._passes.stop()
