@@ -1,9 +1,10 @@
 """Backends: where tasks run (contract §10, §17).
 
 `Backend` is the one interface the controller and the logs service use; this
-package names it, its value types and errors, and the registry: each backend
-is one module plus one `BackendSpec` entry in `BACKENDS` (its name, where its
-class lives, imported only when used, and the settings it takes).
+package names it, its value types (`LaunchPlan` among them) and errors, and the
+registry: each backend is one package (`local`, `sim`, `ssh`) plus one
+`BackendSpec` entry in `BACKENDS` (its name, where its class lives, imported only
+when used, and the settings it takes).
 `BACKEND` is the setting that picks one (`--backend`, MJ_BACKEND), and
 `make_backend(name, settings)` builds it from the services' settings.
 """
