@@ -40,6 +40,7 @@ from services.controller.host import Watcher
 from services.controller.joblog import LogsClient
 from services.controller.lifecycle import JobLifecycle
 from services.controller.link import LeaseLost, Link, MovedAway, Rejected
+from services.controller.messages import TaskReport
 from services.controller.metrics import MeteredBackend
 from services.controller.watch import ClusterWatch, News
 
@@ -154,30 +155,9 @@ class JobRunner:
 
     # --- JobHost ---------------------------------------------------------------------------
 
-    async def report(
-        self, task_id: int, status: JobStatus, message: str = "", **fields: Any
-    ) -> None:
-        transition = pb.TaskTransition(
-            job_id=self.job_id,
-            epoch=self.epoch,
-            task_id=task_id,
-            status=int(status),  # type: ignore[arg-type]
-            message=message,
-            failure_reason=fields.get("failure_reason", ""),
-            cluster_name=fields.get("cluster_name", ""),
-            region=fields.get("region", ""),
-            resources=fields.get("resources", ""),
-            recovery_count=fields.get("recovery_count", 0),
-            restart_count=fields.get("restart_count", 0),
-        )
-        if "condition" in fields:
-            transition.condition = fields["condition"]
-        transition.attempt = fields.get("attempt", 0)
-        if fields.get("exit_code") is not None:
-            transition.exit_code = fields["exit_code"]
-        transition.time.FromSeconds(int(time.time()))
-        if fields.get("end_time"):
-            transition.end_time.FromNanoseconds(int(fields["end_time"] * 1e9))
+    async def report(self, report: TaskReport) -> None:
+        status = report.status
+        transition = report.transition(self.job_id, self.epoch, time.time())
         if status == JobStatus.RUNNING and self.slot.held:
             # Launched: the slot goes back with this report.
             transition.release_slot = True
