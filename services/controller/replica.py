@@ -39,9 +39,16 @@ from services.controller.fencing import LeaseGuard
 from services.controller.host import Watcher
 from services.controller.joblog import LogsClient
 from services.controller.lifecycle import JobLifecycle
-from services.controller.link import LeaseLost, Link, MovedAway, Rejected
-from services.controller.messages import TaskReport
+from services.controller.link import Link
+from services.controller.messages import (
+    Instructions,
+    LeaseLost,
+    MovedAway,
+    Rejected,
+    TaskReport,
+)
 from services.controller.metrics import MeteredBackend
+from services.controller.outbox import Answer
 from services.controller.watch import ClusterWatch, News
 
 log = logging.getLogger(__name__)
@@ -51,6 +58,11 @@ EARLY_CANCELS = 10_000
 HANDBACK_TIMEOUT = 5.0
 # How long a drain waits for its jobs' last lifecycle lines to be stored.
 LINES_TIMEOUT = 3.0
+
+
+def handback(job_id: int, epoch: int) -> pb.JobHandback:
+    """One job given back to the scheduler, unfailed."""
+    return pb.JobHandback(jobs=[pb.HeldJob(job_id=job_id, epoch=epoch)])
 
 
 class LaunchSlot:
@@ -70,8 +82,8 @@ class LaunchSlot:
             return
         self._grant = asyncio.get_running_loop().create_future()
         r = self._runner
-        await r.replica.link.call(
-            launch_slot_request=pb.LaunchSlotRequest(job_id=r.job_id, epoch=r.epoch, reason=reason)
+        await r.replica.link.outbox.call(
+            pb.LaunchSlotRequest(job_id=r.job_id, epoch=r.epoch, reason=reason)
         )
         await self._grant
         self.held = True
@@ -85,10 +97,8 @@ class LaunchSlot:
             return
         self.held = False
         r = self._runner
-        await r.replica.link.call(
-            launch_slot_release=pb.LaunchSlotRelease(
-                job_id=r.job_id, epoch=r.epoch, wait_reason=wait_reason
-            )
+        await r.replica.link.outbox.call(
+            pb.LaunchSlotRelease(job_id=r.job_id, epoch=r.epoch, wait_reason=wait_reason)
         )
 
 
@@ -111,7 +121,7 @@ class JobRunner:
         self.cancel = CancelRequest(job.cancel_requested)
         by_task = {s.task_id: dict(s.secrets) for s in secrets}
         # Answers to reports sent without waiting, checked with the next report.
-        self._unchecked: list[asyncio.Future[pb.ReportAck]] = []
+        self._unchecked: list[Answer] = []
         self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config, by_task)
         self.task: asyncio.Task[None] | None = None
 
@@ -119,23 +129,21 @@ class JobRunner:
         self.task = asyncio.create_task(self._main(), name=f"job-{self.job_id}")
 
     async def _main(self) -> None:
+        outbox = self.replica.link.outbox
         try:
             reason = await run_job(self.lifecycle, self.cancel)
             self.note("done" + (f" ({reason})" if reason else ""))
             # The lifecycle log is complete by the time anyone sees the job DONE (bounded).
             await self.replica.logs.shipped(self.job_id)
-            await self.replica.link.call(
-                job_finished=pb.JobFinished(
-                    job_id=self.job_id, epoch=self.epoch, failure_reason=reason
-                )
+            await outbox.call(
+                pb.JobFinished(job_id=self.job_id, epoch=self.epoch, failure_reason=reason)
             )
         except LeaseLost as error:
             self.note(f"stopped: this replica's lease ran out ({error}); handing the job back")
             # The scheduler may still count the lease (it renews on receipt, this replica
             # from the send): tell it, or the job would stay assigned to no one running
             # it. At a stale epoch the handback is refused, harmlessly.
-            held = pb.HeldJob(job_id=self.job_id, epoch=self.epoch)
-            self.replica.link.notify(job_handback=pb.JobHandback(jobs=[held]))
+            outbox.notify(handback(self.job_id, self.epoch))
         except MovedAway as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
         except Rejected as error:
@@ -162,7 +170,7 @@ class JobRunner:
             # Launched: the slot goes back with this report.
             transition.release_slot = True
             self.slot.held = False
-        answer = self.replica.link.post(transition=transition)
+        answer = self.replica.link.outbox.post(transition)
         metrics.transition(status)
         if status == JobStatus.STARTING:
             # Nothing waits on the scheduler's answer to STARTING (the launch is fenced by
@@ -172,7 +180,7 @@ class JobRunner:
             return
         await self._checked(answer)
 
-    async def _checked(self, answer: asyncio.Future[pb.ReportAck]) -> None:
+    async def _checked(self, answer: Answer) -> None:
         """Awaits this answer and every earlier one not yet checked, in order."""
         pending, self._unchecked = [*self._unchecked, answer], []
         for earlier in pending:
@@ -223,12 +231,16 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.config = config
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
-        self.link = Link(
-            scheduler_address, self.hello, self.on_message, self.on_lease_lost, security
+        instructions = Instructions(
+            assignment=self._assign,
+            launch_slot_grant=self._granted,
+            cancel=self._cancel,
+            revoke=self._revoke,
         )
+        self.link = Link(scheduler_address, self.hello, instructions, self.on_lease_lost, security)
         self.metered = MeteredBackend(backend)
         self.backend: Backend = LeaseGuard(
-            self.metered, self.link.wait_lease, lambda: self.draining
+            self.metered, self.link.lease.wait, lambda: self.draining
         )
         self.watch = ClusterWatch(self.backend, config.poll_interval)
         self._early_cancels: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -245,7 +257,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             "mj_replica_held_jobs": len(self.runners),
             "mj_replica_held_launch_slots": sum(r.slot.held for r in self.runners.values()),
             "mj_replica_watched_clusters": self.watch.watched,
-            "mj_replica_lease_seconds_left": max(0.0, self.link.lease_left()),
+            "mj_replica_lease_seconds_left": max(0.0, self.link.lease.left()),
         }
 
     def hello(self) -> pb.ControllerHello:
@@ -257,25 +269,25 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             regions=list(self.backend.regions() or ()),
         )
 
-    async def on_message(self, message: pb.ConnectControllerResponse) -> None:
-        kind = message.WhichOneof("message")
-        if kind == "assignment":
-            self._assign(message.assignment)
-            return
-        inner = getattr(message, kind) if kind else None
-        job_id, epoch = getattr(inner, "job_id", 0), getattr(inner, "epoch", -1)
+    def _held(self, job_id: int, epoch: int) -> JobRunner | None:
+        """The runner of this job at this epoch, if this replica runs it."""
         runner = self.runners.get(job_id)
-        if kind == "cancel" and (runner is None or runner.epoch < epoch):
-            self._remember_cancel(job_id, epoch)
-            return
-        if runner is None or runner.epoch != epoch:
-            return
-        if kind == "launch_slot_grant":
+        return runner if runner is not None and runner.epoch == epoch else None
+
+    def _granted(self, grant: pb.LaunchSlotGrant) -> None:
+        if runner := self._held(grant.job_id, grant.epoch):
             runner.slot.granted()
-        elif kind == "cancel":
+
+    def _cancel(self, cancel: pb.JobCancel) -> None:
+        runner = self.runners.get(cancel.job_id)
+        if runner is None or runner.epoch < cancel.epoch:
+            self._remember_cancel(cancel.job_id, cancel.epoch)
+        elif runner.epoch == cancel.epoch:
             runner.note("cancel requested")
             runner.request_cancel()
-        elif kind == "revoke":
+
+    def _revoke(self, revoke: pb.JobRevoke) -> None:
+        if runner := self._held(revoke.job_id, revoke.epoch):
             runner.note("revoked: the job moved to another replica")
             runner.stop()
 
@@ -290,8 +302,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         if self.draining:
             # Sent before the scheduler knew of the drain: straight back, never started.
             self.logs.note(job.job_id, assignment.epoch, self._handed_back_line)
-            held = pb.HeldJob(job_id=job.job_id, epoch=assignment.epoch)
-            self.link.notify(job_handback=pb.JobHandback(jobs=[held]))
+            self.link.outbox.notify(handback(job.job_id, assignment.epoch))
             return
         current = self.runners.get(job.job_id)
         if current is not None:
@@ -339,7 +350,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         The drain ends once the answer came and every runner has unwound.
         """
         self.draining = True
-        self.link.notify(draining=pb.ControllerDraining())
+        self.link.outbox.notify(pb.ControllerDraining())
         runners = list(self.runners.values())
         if not runners:
             return
@@ -347,15 +358,15 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             runner.note(self._handed_back_line)
         await self.logs.shipped(timeout=LINES_TIMEOUT)
         jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
-        handback = self.link.post(job_handback=pb.JobHandback(jobs=jobs))
+        returned = self.link.outbox.post(pb.JobHandback(jobs=jobs))
         deadline = asyncio.get_running_loop().time() + HANDBACK_TIMEOUT
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.link.written(), HANDBACK_TIMEOUT)
+            await asyncio.wait_for(self.link.outbox.written(), HANDBACK_TIMEOUT)
         for runner in runners:
             runner.stop()
         remaining = max(0.0, deadline - asyncio.get_running_loop().time())
         with contextlib.suppress(Rejected, TimeoutError):
-            await asyncio.wait_for(handback, remaining)
+            await asyncio.wait_for(returned, remaining)
         await asyncio.gather(
             *(r.task for r in runners if r.task is not None), return_exceptions=True
         )
@@ -382,7 +393,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             connected=self.link.connected.is_set(),
             draining=self.draining,
         )
-        if self.link.last_renewal:
-            wall = time.time() - (time.monotonic() - self.link.last_renewal)
+        if self.link.lease.last_renewal:
+            wall = time.time() - (time.monotonic() - self.link.lease.last_renewal)
             response.lease_renew_time.FromNanoseconds(int(wall * 1e9))
         return response

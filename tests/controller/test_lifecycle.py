@@ -63,7 +63,7 @@ from services.backends import Backend, ClusterHandle, cluster_name
 from services.common.statuses import IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.launching import Backoff
-from services.controller.link import MovedAway, Refused
+from services.controller.messages import MovedAway, Refused
 from services.controller.metrics import MeteredBackend
 from services.controller.strategies import EagerNextRegion, Failover, strategy_for
 from services.scheduler.spec.parse import parse_job_spec
