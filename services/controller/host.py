@@ -1,4 +1,4 @@
-"""What a job's lifecycle needs from the replica that runs it (`replica.py` is one).
+"""What a job's lifecycle needs from the replica that runs it (`runner.py` is one).
 
 A lifecycle never talks to the scheduler, the logs service or the cluster watch
 itself: it reports, notes, fetches logs and watches through its host, so one
