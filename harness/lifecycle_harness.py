@@ -60,6 +60,7 @@ from services.common.statuses import JobStatus, task_transition_allowed
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.lifecycle import JobLifecycle
+from services.controller.messages import TaskReport
 from services.controller.watch import ClusterWatch, News, Watcher
 from services.scheduler.spec.parse import parse_job_spec, resources_summary
 from services.simcloud import CloudConfig, RunningCloud, list_inventory, start
@@ -523,10 +524,9 @@ class RecordedSlot:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    task_id: int
-    status: JobStatus
-    message: str
-    fields: dict[str, Any]
+    """A report the lifecycle made."""
+
+    sent: TaskReport
     # Backend calls made for news of clusters before the report (`ClusterWatch.observe_calls`).
     looks: int
 
@@ -612,13 +612,12 @@ class Host:
         self._fired.add(name)
         return hook
 
-    async def report(
-        self, task_id: int, status: JobStatus, message: str = "", **fields: Any
-    ) -> None:
+    async def report(self, report: TaskReport) -> None:
+        task_id, status = report.task_id, report.status
         old = self.current[task_id]
-        if status == old and "condition" in fields:
+        if status == old and report.condition is not None:
             # A condition of the task, not a transition.
-            self.conditions.append((task_id, fields["condition"]))
+            self.conditions.append((task_id, report.condition))
             return
         if status in self.refuse:
             raise self.refuse.pop(status)
@@ -626,7 +625,7 @@ class Host:
         if not task_transition_allowed(old, status):
             raise ValueError(f"task {task_id}: {old.name} -> {status.name} is not allowed")
         self.current[task_id] = status
-        self.reports.append(Report(task_id, status, message, dict(fields), self.hub.observe_calls))
+        self.reports.append(Report(report, self.hub.observe_calls))
         self.timeline.append(("report", str(task_id), status.name))
         if status == S.RUNNING and (hook := self._once("running", self.hooks.at_running)):
             await hook(self.world, self)
@@ -670,10 +669,10 @@ class Host:
     # --- what the test reads ---
 
     def statuses(self, task_id: int) -> list[JobStatus]:
-        return [r.status for r in self.reports if r.task_id == task_id]
+        return [r.sent.status for r in self.reports if r.sent.task_id == task_id]
 
-    def last(self, task_id: int) -> Report:
-        return [r for r in self.reports if r.task_id == task_id][-1]
+    def last(self, task_id: int) -> TaskReport:
+        return [r.sent for r in self.reports if r.sent.task_id == task_id][-1]
 
     def final(self, task_id: int) -> JobStatus:
         return self.current[task_id]

@@ -32,7 +32,7 @@ from services.controller.host import JobHost
 from services.controller.launching import NoResources
 from services.controller.limits import Limits
 from services.controller.strategies import Strategy
-from services.controller.tasks import TaskState, exit_code
+from services.controller.tasks import TaskState
 from services.controller.teardown import Teardown
 from services.controller.verdicts import IN_PROGRESS
 
@@ -136,7 +136,9 @@ class Attempts:
             await self.teardown.remove(state, lost)
             raise NoResources(refused)
         if state.status != S.RECOVERING:
-            await state.transition(S.RECOVERING, why, **exit_code(end))
+            await state.transition(
+                S.RECOVERING, why, exit_code=end.exit_code if end is not None else None
+            )
         await self.teardown.remove(state, lost, silent=silent)
         number = state.recovery_count + 1
         self.host.note(
@@ -155,7 +157,7 @@ class Attempts:
         reason = (
             f"user {what} failed; restart {state.restart_count} of {self.strategy.max_restarts}"
         )
-        await state.transition(S.RECOVERING, reason, attempt=attempt, **exit_code(end))
+        await state.transition(S.RECOVERING, reason, attempt=attempt, exit_code=end.exit_code)
         await self.teardown.remove(state, failed, attempt=attempt)
         state.handle = None
         handle = await self.strategy.restart(self.request, failed)

@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from services.backends import Backend, ClusterHandle, LaunchPlan
 from services.backends.wrapper import BackendWrapper
 from services.common.test_switches import LEASE_GUARD, disabled
-from services.controller.link import LeaseLost, MovedAway
+from services.controller.messages import LeaseLost, MovedAway
 
 
 class LeaseGuard(BackendWrapper):

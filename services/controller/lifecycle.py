@@ -51,7 +51,7 @@ from services.controller.host import JobHost
 from services.controller.launching import NoResources
 from services.controller.limits import Limits
 from services.controller.strategies import strategy_for
-from services.controller.tasks import TaskState, exit_code
+from services.controller.tasks import TaskState
 from services.controller.teardown import Teardown
 from services.controller.verdicts import Judge
 
@@ -186,7 +186,7 @@ class JobLifecycle:
             S.SUCCEEDED,
             f"succeeded on {handle.cluster_name}",
             end_time=end.end_time,
-            **exit_code(end),
+            exit_code=end.exit_code,
         )
         await self.teardown.remove(state, handle)
         return S.SUCCEEDED
@@ -237,7 +237,11 @@ class JobLifecycle:
         elif strategy.max_restarts:
             reason += f" after {state.restart_count} restarts"
         await state.transition(
-            final, reason, failure_reason=reason, end_time=end.end_time, **exit_code(end)
+            final,
+            reason,
+            failure_reason=reason,
+            end_time=end.end_time,
+            exit_code=end.exit_code,
         )
         await self.teardown.remove(state, handle)
         return final

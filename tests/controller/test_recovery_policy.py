@@ -196,10 +196,10 @@ async def test_recovery_policy(world: World, row: Row) -> None:
     await running.finished()
     host = running.host
     assert tuple(host.statuses(0)) == row.statuses
-    last = host.last(0).fields
-    assert (last["recovery_count"], last["restart_count"]) == row.counts
+    last = host.last(0)
+    assert (last.recovery_count, last.restart_count) == row.counts
     if row.failure:
-        assert row.failure in last.get("failure_reason", ""), last
+        assert row.failure in last.failure_reason, last
     inventory = await world.inventory(1)
     if row.spot:
         assert tuple(c.spot for c in inventory) == row.spot

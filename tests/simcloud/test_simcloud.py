@@ -36,7 +36,7 @@ from services.backends import (
 from services.backends.sim.backend import SimBackend
 from services.common.security.edge import ServerSecurity
 from services.controller.fencing import LeaseGuard
-from services.controller.link import LeaseLost
+from services.controller.messages import LeaseLost
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
 from services.simcloud.clusters import CallKind, ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
