@@ -21,9 +21,9 @@ from services.backends import (
     Backend,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     cluster_name,
 )
@@ -39,13 +39,13 @@ from services.controller.verdicts import IN_PROGRESS
 S = JobStatus
 
 
-def task_request(
+def launch_plan(
     job_id: int, epoch: int, task: job_pb2.Task, secrets: Mapping[str, str] | None = None
-) -> TaskRequest:
+) -> LaunchPlan:
     """What to launch for a task attempt; its secrets join its envs only here."""
     spec = task.spec
     r = spec.resources
-    return TaskRequest(
+    return LaunchPlan(
         job_id=job_id,
         task_id=task.task_id,
         epoch=epoch,
@@ -62,7 +62,8 @@ def task_request(
         memory=r.memory,
         accelerators=r.accelerators,
         use_spot=r.use_spot,
-        sim=json.loads(spec.sim_json) if spec.sim_json else {},
+        # The spec's `sim` key: how the task behaves on the sim backend.
+        extensions={"sim": json.loads(spec.sim_json)} if spec.sim_json else {},
     )
 
 
@@ -73,7 +74,7 @@ class Attempts:
         self,
         state: TaskState,
         strategy: Strategy,
-        request: TaskRequest,
+        request: LaunchPlan,
         host: JobHost,
         backend: Backend,
         teardown: Teardown,
@@ -173,4 +174,4 @@ class Attempts:
         await self.host.slot.release()
 
 
-__all__ = ["Attempts", "task_request"]
+__all__ = ["Attempts", "launch_plan"]

@@ -45,7 +45,7 @@ from services.backends import (
     TaskStatus,
 )
 from services.common.statuses import TERMINAL, JobStatus
-from services.controller.attempts import Attempts, task_request
+from services.controller.attempts import Attempts, launch_plan
 from services.controller.config import LifecycleConfig
 from services.controller.host import JobHost
 from services.controller.launching import NoResources
@@ -112,7 +112,7 @@ class JobLifecycle:
 
     def _attempts(self, state: TaskState) -> Attempts:
         """The task's attempts, through the strategy its spec names."""
-        request = task_request(
+        request = launch_plan(
             self.job.job_id, self.host.epoch, state.task, self._secrets.get(state.task_id)
         )
         strategy = strategy_for(

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.backends import TaskRequest
+from services.backends import LaunchPlan
 from services.backends.local.backend import LocalBackend
 from services.controller.fencing import LeaseGuard
 from services.controller.lease import Lease
@@ -28,7 +28,7 @@ async def test_no_launch_or_terminate_without_a_lease(tmp_path: Path) -> None:
 
     backend = LocalBackend(tmp_path)
     guard = LeaseGuard(backend, wait_lease)
-    request = TaskRequest(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
+    request = LaunchPlan(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
     with pytest.raises(LeaseLost):
         await guard.launch(request)
     assert not await backend.cluster_exists("mj-1-0")
@@ -60,13 +60,13 @@ async def test_a_draining_replica_changes_nothing_even_with_its_lease(tmp_path: 
 
     backend = LocalBackend(tmp_path)
     guard = LeaseGuard(backend, wait_lease, lambda: draining["yes"])
-    request = TaskRequest(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
+    request = LaunchPlan(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
     handle = await guard.launch(request)
     try:
         draining["yes"] = True
         with pytest.raises(MovedAway):
             await guard.launch(
-                TaskRequest(job_id=2, task_id=0, epoch=1, cluster_name="mj-2-0", run="true")
+                LaunchPlan(job_id=2, task_id=0, epoch=1, cluster_name="mj-2-0", run="true")
             )
         assert not await backend.cluster_exists("mj-2-0")
         for call in (
