@@ -35,6 +35,7 @@ from services.common.errors import (
 )
 from services.common.security.access import current_principal, require_owner, require_user
 from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler import queries
 from services.scheduler.admission import Admission
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.events import EventBus, WatcherOverflow
@@ -42,7 +43,8 @@ from services.scheduler.intake import Intake
 from services.scheduler.ownership import OwnedJobs
 from services.scheduler.spec.cache import SpecCache
 from services.scheduler.spec.parse import SpecError
-from services.scheduler.store import NewJob, Store
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
 
 DEFAULT_PAGE_SIZE = 100
 MAX_BATCH = 1000
@@ -240,7 +242,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
 
     async def _owned(self, job_ids: Sequence[int]) -> None:
         """Raises NotFound for ids that name no job, PermissionDenied for another's job."""
-        owners = await self.store.job_owners(job_ids)
+        owners = await self.store.read(queries.job_owners, job_ids)
         missing = sorted(set(job_ids) - set(owners))
         if missing:
             shown = ", ".join(map(str, missing[:20]))
@@ -281,7 +283,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
     ) -> pb.GetJobResponse:
         if request.job_id <= 0:
             raise InvalidArgument("job_id: must be positive")
-        job = await self.store.get_job(request.job_id)
+        job = await self.store.read(queries.job, request.job_id)
         if job is None:
             raise NotFound(
                 f"job {request.job_id} does not exist",
@@ -290,7 +292,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             )
         require_owner(current_principal(), job.user, f"job {job.job_id}")
         if job.schedule_state == ScheduleState.WAITING:
-            ahead = await self.store.ahead_of(job.job_id, job.priority)
+            ahead = await self.store.read(queries.ahead_of, job.job_id, job.priority)
             job.wait_reason = (
                 f"waiting for higher-priority jobs ({ahead} ahead)"
                 if ahead
@@ -309,7 +311,8 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         _no_nul(request)
         size = min(request.page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
         statuses = _statuses(request.statuses)
-        jobs = await self.store.list_jobs(
+        jobs = await self.store.read(
+            queries.list_jobs,
             statuses,
             user=require_user(current_principal(), request.user),
             name=request.name,
@@ -361,8 +364,12 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
             sent = SentEvents()
             last = request.after_event_id
             while True:
-                backlog = await self.store.events_after(
-                    last, job_ids, user=owned.user if owned else "", limit=WATCH_BATCH
+                backlog = await self.store.read(
+                    queries.events_after,
+                    last,
+                    job_ids,
+                    user=owned.user if owned else "",
+                    limit=WATCH_BATCH,
                 )
                 for event in backlog:
                     sent.add(event.event_id)
@@ -399,7 +406,7 @@ class JobApi(job_service_pb2_grpc.JobServiceServicer):
         ever sent (the database was replaced since), so waiting would wait forever."""
         if not after_event_id:
             return
-        head = await self.store.last_event_id()
+        head = await self.store.read(queries.last_event_id)
         if after_event_id > head:
             raise OutOfRange(
                 f"after_event_id: {after_event_id} is past the newest event ({head}); "

@@ -27,8 +27,10 @@ from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.db.id_lists import in_ids
 from services.scheduler.db.models import JOBS, JobRow
+from services.scheduler.endings import end_unstarted
 from services.scheduler.outbox import Outbox
-from services.scheduler.store import Store, Txn, end_unstarted
+from services.scheduler.store import Store
+from services.scheduler.txn import Txn
 
 S = JobStatus
 St = ScheduleState

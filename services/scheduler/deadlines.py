@@ -23,7 +23,9 @@ from sqlalchemy import func, select, update
 from services.common.event_messages import MAX_PENDING_EXCEEDED
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db.models import JobRow
-from services.scheduler.store import Store, Txn, end_unstarted
+from services.scheduler.endings import end_unstarted
+from services.scheduler.store import Store
+from services.scheduler.txn import Txn
 
 log = logging.getLogger(__name__)
 S = JobStatus

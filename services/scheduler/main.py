@@ -27,7 +27,7 @@ from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.security.edge import ServerSecurity, server_security
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
-from services.scheduler import metrics
+from services.scheduler import metrics, queries
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.api import JobApi
 from services.scheduler.cancels import Cancels
@@ -39,7 +39,8 @@ from services.scheduler.health import DbHealth, is_unreachable, unavailable
 from services.scheduler.outbox import Outbox
 from services.scheduler.replicas import Replicas
 from services.scheduler.reports import Reports
-from services.scheduler.store import Move, Store
+from services.scheduler.store import Store
+from services.scheduler.txn import Move
 
 log = logging.getLogger(__name__)
 register_translator(unavailable)
@@ -211,7 +212,7 @@ class SchedulerApp:
             metrics.corrected(sum(abs(n) for n in diff.values()))
             self.admission.kick()
         await self.replicas.sync_assignments()
-        metrics.statuses(await self.store.status_counts())
+        metrics.statuses(await self.store.read(queries.status_counts))
 
     async def _reconcile_loop(self) -> None:
         """Reconciles every `reconcile_interval` seconds, and at once when asked to (a write
@@ -268,9 +269,7 @@ class SchedulerApp:
         await self.server.stop(grace)
         await self.deadlines.stop()
         await self.admission.stop()
-        if self.store.analyzing is not None:
-            self.store.analyzing.cancel()
-            await asyncio.gather(self.store.analyzing, return_exceptions=True)
+        await self.store.statistics.stop()
         await self.db.close()
         metrics.unwatch_counters(self.counters)
 

@@ -76,10 +76,11 @@ from services.common.event_messages import (
 from services.common.security.access import current_principal, require_controller
 from services.common.sequence import InOrder, OutOfSequence
 from services.common.statuses import ScheduleState
-from services.scheduler import metrics
+from services.scheduler import metrics, queries
 from services.scheduler.admission import Admission
 from services.scheduler.health import DbHealth
 from services.scheduler.outbox import Outbox, Stream, TooLarge
+from services.scheduler.releases import release_replica
 from services.scheduler.reports import Reports
 from services.scheduler.store import Move, Store
 
@@ -197,7 +198,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
     async def adopt_unknown(self) -> None:
         """After a scheduler start: replicas named in the database get one lease TTL to
         reconnect before their jobs move."""
-        counts = await self.store.recount()
+        counts = await self.store.read(queries.recount)
         for controller_id, state in counts:
             if controller_id is not None and state != St.DONE:
                 self._lease(controller_id)
@@ -271,7 +272,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
             self._ending[cid] = task
         try:
             await self.health.retry(
-                lambda: self.reports.release_replica(cid, reason=reason), limit=float("inf")
+                lambda: release_replica(self.store, cid, reason=reason), limit=float("inf")
             )
         finally:
             if self._ending.get(cid) is task:
@@ -299,7 +300,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
 
     async def _release_strays(self, cid: str, pairs: list[tuple[int, int]]) -> None:
         await self.health.retry(
-            lambda: self.reports.release_replica(cid, pairs=pairs, reason=LEASE_ENDED.format(cid)),
+            lambda: release_replica(self.store, cid, pairs=pairs, reason=LEASE_ENDED.format(cid)),
             limit=float("inf"),
         )
 
@@ -419,17 +420,17 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
         """The database is the only truth: revoke what the replica should not hold,
         re-send grants and cancels for what it does, and free what it lost."""
         cid = hello.controller_id
-        truth = await self.store.held_by(cid)
+        truth = await self.store.read(queries.held_by, cid)
         held = {h.job_id: h.epoch for h in hello.held_jobs}
         for job_id, epoch in held.items():
             if truth.get(job_id) != epoch:
                 self.outbox.revoke(cid, job_id, epoch)
         lost = [job_id for job_id, epoch in truth.items() if held.get(job_id) != epoch]
         if lost:
-            await self.reports.release_replica(cid, lost, reason=NO_LONGER_RUNS_IT)
+            await release_replica(self.store, cid, lost, reason=NO_LONGER_RUNS_IT)
         kept = [job_id for job_id, epoch in truth.items() if held.get(job_id) == epoch]
         stream.sent.update({job_id: truth[job_id] for job_id in kept})
-        for job in await self.store.get_jobs(kept):
+        for job in await self.store.read(queries.jobs, kept):
             epoch = truth[job.job_id]
             if job.schedule_state == St.LAUNCHING:
                 self.outbox.grant(cid, job.job_id, epoch)
@@ -449,7 +450,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 stream = lease.stream
                 if stream is None:
                     continue
-                truth = await self.store.held_by(cid)
+                truth = await self.store.read(queries.held_by, cid)
                 missing = [j for j, e in truth.items() if stream.sent.get(j) != e]
                 if not missing:
                     continue
@@ -457,8 +458,8 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                     "replica was never sent some assignments; sending them",
                     extra={"controller_id": cid, "jobs": missing[:20], "count": len(missing)},
                 )
-                secrets = await self.store.secrets(missing)
-                for job in await self.store.get_jobs(missing, with_specs=True):
+                secrets = await self.store.read(queries.secrets_of, missing)
+                for job in await self.store.read(queries.jobs, missing, with_specs=True):
                     if job.schedule_state != St.DONE and job.controller_id == cid:
                         granted = job.schedule_state == St.LAUNCHING
                         epoch, kept = truth[job.job_id], secrets.get(job.job_id)
@@ -560,12 +561,7 @@ class Replicas(scheduler_service_pb2_grpc.SchedulerServiceServicer):
                 for job_id, epoch in applied.revokes:
                     log.warning("stale report", extra={"controller_id": cid, "job_id": job_id})
                     self.outbox.revoke(cid, job_id, epoch)
-                finished = [
-                    r.job_finished.job_id
-                    for r, ack in zip(batch, applied.acks, strict=True)
-                    if ack.accepted and r.WhichOneof("message") == "job_finished"
-                ]
-                self.outbox.forget(cid, finished)
+                self.outbox.forget(cid, applied.finished)
                 for ack in applied.acks:
                     self.outbox.ack(cid, ack)
 

@@ -26,6 +26,7 @@ import grpc
 from sqlalchemy import select
 
 from harness.replica_stream import Fuzzer, Held, Replica, hello
+from harness.store import move_jobs
 from harness.waiting import reached, wait_for
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
@@ -33,6 +34,7 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.event_messages import LEASE_ENDED
 from services.common.security.edge import ServerSecurity
 from services.common.statuses import ScheduleState as St
+from services.scheduler import queries
 from services.scheduler.admission import Limits
 from services.scheduler.db.models import EventRow
 from services.scheduler.main import SchedulerApp
@@ -163,8 +165,8 @@ async def test_a_job_committed_to_a_replica_after_its_lease_ended_is_released_at
     ):
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
         submitted = await jobs.SubmitJob(jpb.SubmitJobRequest(spec_yaml="run: x\n"), timeout=10)
-        [move] = await app.store.move_many(
-            [submitted.job_id], St.WAITING, St.LAUNCHING, assign_to="controller-9"
+        [move] = await move_jobs(
+            app.store, [submitted.job_id], St.WAITING, St.LAUNCHING, assign_to="controller-9"
         )
         assert move.new_controller == "controller-9"
         released = await wait_for(
@@ -288,6 +290,6 @@ async def test_a_scheduler_shutting_down_leaves_the_replicas_their_jobs(
         grpc.aio.insecure_channel(f"127.0.0.1:{again.server.port}") as channel,
     ):
         kept = await job(job_service_pb2_grpc.JobServiceStub(channel), held.job_id)
-        assert await again.store.held_by("controller-1") == {held.job_id: held.epoch}
+        assert await again.store.read(queries.held_by, "controller-1") == {held.job_id: held.epoch}
     assert kept.controller_id == "controller-1"
     assert app.replicas.expired == [] and again.replicas.expired == []
