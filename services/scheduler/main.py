@@ -36,6 +36,7 @@ from services.scheduler.db import SYNCHRONOUS, Database, default_url
 from services.scheduler.deadlines import PendingDeadlines
 from services.scheduler.events import QUEUE_LIMIT, EventBus
 from services.scheduler.health import DbHealth, is_unreachable, unavailable
+from services.scheduler.leases import Leases
 from services.scheduler.outbox import Outbox
 from services.scheduler.replicas import Replicas
 from services.scheduler.reports import Reports
@@ -161,16 +162,23 @@ class SchedulerApp:
         self.reports = Reports(self.store)
         self.deadlines = PendingDeadlines(self.store, self.admission.waiting_reason)
         self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
+        self.leases = Leases(
+            self.store,
+            self.admission,
+            self.outbox,
+            self.health,
+            ttl=lease_ttl,
+            clock=clock,
+            sleep=sleep,
+        )
         self.replicas = Replicas(
             self.store,
             self.reports,
             self.admission,
             self.outbox,
             self.health,
-            lease_ttl=lease_ttl,
+            self.leases,
             heartbeat_interval=heartbeat_interval,
-            clock=clock,
-            sleep=sleep,
         )
         self.reconcile_interval = reconcile_interval
         self._sleep = sleep
@@ -200,7 +208,7 @@ class SchedulerApp:
         self.counters.apply(moves)
         metrics.moved(moves)
         self.admission.moved(moves)
-        self.replicas.moved(moves)
+        self.leases.moved(moves)
 
     def reconcile_soon(self) -> None:
         self._reconcile_now.set()
@@ -241,7 +249,7 @@ class SchedulerApp:
     async def _database_changed(self, reachable: bool) -> None:
         await self.server.set_serving(reachable)
         if reachable:
-            self.replicas.restart_leases()
+            self.leases.restart()
             self.admission.kick()
             self.reconcile_soon()
 
@@ -249,7 +257,7 @@ class SchedulerApp:
         """Migrates (waiting for the database to answer), rebuilds the counters and serves."""
         await self.health.retry(self.db.migrate, limit=120)
         await self.counters.rebuild()
-        await self.replicas.adopt_unknown()
+        await self.leases.adopt_unknown()
         self.admission.start()
         self.deadlines.start()
         self.health.start()
