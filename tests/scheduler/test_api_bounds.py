@@ -23,8 +23,8 @@ from services.common.security.edge import ServerSecurity
 from services.common.statuses import JobStatus
 from services.scheduler import queries
 from services.scheduler.admission import Limits
-from services.scheduler.api import MAX_JOB_IDS
 from services.scheduler.main import SchedulerApp
+from services.scheduler.requests import MAX_JOB_IDS
 from services.scheduler.transitions import set_task_statuses
 
 SPEC = "name: bounded\nrun: echo hi\n"
