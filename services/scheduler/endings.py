@@ -13,17 +13,21 @@ shows each task's last status.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
+
+from sqlalchemy import ColumnElement, update
 
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState, schedule_transition
 from services.scheduler import batch_rows
+from services.scheduler.db.models import JobRow
 from services.scheduler.transitions import follow_current_task, set_task_status, set_task_statuses
 from services.scheduler.txn import Move, Txn
 
 S = JobStatus
 St = ScheduleState
 NO_FINAL_STATUS = "the lifecycle ended without a final status"
+UNSTARTED = (St.INACTIVE, St.WAITING)
 
 
 def end_events(
@@ -52,21 +56,47 @@ def end_events(
 
 
 def end_unstarted(
-    txn: Txn, job_ids: Sequence[int], first: JobStatus, message: str, **first_values: Any
-) -> None:
-    """Ends WAITING jobs (every task still PENDING) that the jobs table has made DONE: the
-    first task becomes `first` (with `first_values`), the others CANCELLED, each with
-    its event, then the job's end (`end_events`)."""
-    ended: list[tuple[int, int, JobStatus]] = []
-    if first != S.CANCELLED:
-        moved = set_task_statuses(
-            txn, job_ids, [S.PENDING], first, task_id=0, end_time=txn.now, **first_values
+    txn: Txn,
+    where: ColumnElement[bool],
+    status: JobStatus,
+    message: str,
+    failure_reason: str = "",
+    **job_values: Any,
+) -> list[int]:
+    """Ends the jobs matching `where` that no replica took yet (INACTIVE or WAITING: every
+    task still PENDING), in one conditional UPDATE: DONE in `status` (with `job_values`).
+    Their first task becomes `status` too, the others CANCELLED, each with its event,
+    then the job's end (`end_events`); `failure_reason` is the job's and its first task's.
+
+    Returns the ids of the jobs ended.
+    """
+    reason = {"failure_reason": failure_reason} if failure_reason else {}
+    rows = txn.conn.execute(
+        update(JobRow)
+        .where(where, JobRow.schedule_state.in_(UNSTARTED))
+        .values(
+            schedule_state=St.DONE,
+            status=status,
+            end_time=txn.now,
+            wait_reason="",
+            **reason,
+            **job_values,
         )
-        ended += [(job_id, task_id, first) for job_id, task_id in moved]
+        .returning(JobRow.id)
+    ).all()
+    job_ids = [int(row[0]) for row in rows]
+    ended: list[tuple[int, int, JobStatus]] = []
+    if status != S.CANCELLED:
+        moved = set_task_statuses(
+            txn, job_ids, [S.PENDING], status, task_id=0, end_time=txn.now, **reason
+        )
+        ended += [(job_id, task_id, status) for job_id, task_id in moved]
     moved = set_task_statuses(txn, job_ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
     ended += [(job_id, task_id, S.CANCELLED) for job_id, task_id in moved]
-    end_events(txn, ended, [(job_id, 0, first) for job_id in job_ids], St.WAITING, message)
+    end_events(txn, ended, [(job_id, 0, status) for job_id in job_ids], St.WAITING, message)
+    # Only WAITING is counted: a job is INACTIVE only inside the transaction storing it.
     txn.moves += [Move(job_id, None, None, 0, St.WAITING, St.DONE) for job_id in job_ids]
+    return job_ids
 
 
 def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> None:
