@@ -51,6 +51,7 @@ from services.backends import (
     ResourcesUnavailableError,
     TaskRequest,
     TaskStatus,
+    cluster_name,
 )
 from services.backends.sim.backend import SimBackend
 from services.backends.wrapper import BackendWrapper
@@ -58,8 +59,8 @@ from services.common.security.edge import ServerSecurity
 from services.common.statuses import JobStatus, task_transition_allowed
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
-from services.controller.lifecycle import JobLifecycle, News, cluster_name
-from services.controller.watch import ClusterWatch, Watcher
+from services.controller.lifecycle import JobLifecycle
+from services.controller.watch import ClusterWatch, News, Watcher
 from services.scheduler.spec.parse import parse_job_spec, resources_summary
 from services.simcloud import CloudConfig, RunningCloud, list_inventory, start
 from services.simcloud.config import RegionConfig

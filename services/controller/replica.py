@@ -36,11 +36,12 @@ from services.controller import metrics
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
+from services.controller.host import Watcher
 from services.controller.joblog import LogsClient
-from services.controller.lifecycle import JobLifecycle, News, Watcher
+from services.controller.lifecycle import JobLifecycle
 from services.controller.link import LeaseLost, Link, MovedAway, Rejected
 from services.controller.metrics import MeteredBackend
-from services.controller.watch import ClusterWatch
+from services.controller.watch import ClusterWatch, News
 
 log = logging.getLogger(__name__)
 

@@ -41,9 +41,8 @@ from harness.lifecycle_harness import (
     start_job,
 )
 from harness.waiting import reached, wait_for
-from services.backends import Backend
+from services.backends import Backend, cluster_name
 from services.common.statuses import JobStatus
-from services.controller.lifecycle import cluster_name
 
 S = JobStatus
 STARTING, RUNNING, RECOVERING = S.STARTING, S.RUNNING, S.RECOVERING

@@ -59,18 +59,13 @@ from harness.lifecycle_harness import (
 from harness.waiting import wait_for
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_pb2
-from services.backends import Backend, ClusterHandle
+from services.backends import Backend, ClusterHandle, cluster_name
 from services.common.statuses import IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
-from services.controller.lifecycle import cluster_name
+from services.controller.launching import Backoff
 from services.controller.link import MovedAway, Refused
 from services.controller.metrics import MeteredBackend
-from services.controller.strategies import (
-    Backoff,
-    EagerNextRegion,
-    Failover,
-    strategy_for,
-)
+from services.controller.strategies import EagerNextRegion, Failover, strategy_for
 from services.scheduler.spec.parse import parse_job_spec
 
 S = JobStatus
@@ -531,14 +526,14 @@ async def test_transition_refuses_what_the_table_forbids(world: World) -> None:
     try:
         done, pending = lifecycle.tasks
         with pytest.raises(IllegalTransition, match="SUCCEEDED -> RUNNING"):
-            await lifecycle.transition(done, RUNNING)
+            await done.transition(RUNNING)
         with pytest.raises(IllegalTransition, match="PENDING -> PENDING"):
-            await lifecycle.transition(pending, S.PENDING)
+            await pending.transition(S.PENDING)
         with pytest.raises(IllegalTransition, match="PENDING -> RUNNING"):
-            await lifecycle.transition(pending, RUNNING)
+            await pending.transition(RUNNING)
         assert host.reports == [] and (done.status, pending.status) == (SUCCEEDED, S.PENDING)
         # A terminal status only ever moves to FAILED_CONTROLLER (a cleanup that failed).
-        await lifecycle.transition(done, S.FAILED_CONTROLLER, "leak")
+        await done.transition(S.FAILED_CONTROLLER, "leak")
         assert host.statuses(0) == [S.FAILED_CONTROLLER]
     finally:
         await host.hub.close()

@@ -28,9 +28,8 @@ from harness.lifecycle_harness import (
     start_job,
 )
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
-from services.backends import Backend, TaskRequest
+from services.backends import Backend, TaskRequest, cluster_name
 from services.common.statuses import JobStatus
-from services.controller.lifecycle import cluster_name
 
 S = JobStatus
 SPOT = "resources:\n  use_spot: true\n"
@@ -257,17 +256,12 @@ async def test_a_pending_reclaim_is_announced_even_without_a_watch_event(world: 
 
 
 def test_a_death_by_signal_matches_either_spelling() -> None:
-    from services.controller.config import LifecycleConfig
     from services.controller.strategies import Failover, RecoveryPolicy
 
-    async def never(reason: str = "") -> None:
-        raise AssertionError("unused")
-
-    slot = type("Slot", (), {"acquire": never, "release": never})()
     policy = RecoveryPolicy(
         recover_on_exit_codes=frozenset({-9}), fail_on_exit_codes=frozenset({130})
     )
-    strategy = Failover(None, slot, LifecycleConfig(), print, policy)  # type: ignore[arg-type]
+    strategy = Failover(None, print, policy)  # type: ignore[arg-type]
     assert strategy.on_exit(137) == strategy.on_exit(-9) == "recover"
     assert strategy.on_exit(-2) == strategy.on_exit(130) == "fail"
     assert strategy.on_exit(3) == "" and strategy.on_exit(None) == ""
@@ -300,7 +294,7 @@ class _SlotTakenAfterFirst:
 async def test_launch_timeout_in_the_slot_queue_names_the_failure_that_caused_it() -> None:
     """The timeout passes while the retry waits for the slot: the error names the capacity
     failure that kept the task from starting, not only the queue it ended in."""
-    from services.controller.strategies import Failover, NoResources
+    from services.controller.launching import ClusterLauncher, NoResources
 
     clock = [0.0]
 
@@ -311,7 +305,7 @@ async def test_launch_timeout_in_the_slot_queue_names_the_failure_that_caused_it
         backoff_initial=0.05, backoff_max=0.05, monotonic=lambda: clock[0], sleep=sleep
     )
     notes: list[str] = []
-    strategy = Failover(
+    launcher = ClusterLauncher(
         _FullEverywhere(),  # type: ignore[arg-type]
         _SlotTakenAfterFirst(),
         config,
@@ -320,7 +314,7 @@ async def test_launch_timeout_in_the_slot_queue_names_the_failure_that_caused_it
     )
     request = TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="c", use_spot=True)
     with pytest.raises(NoResources) as raised:
-        await strategy.launch(request)
+        await launcher.launch(request)
     message = str(raised.value)
     assert message.startswith(f"launch_timeout of 0.1s exceeded: no capacity in {REGIONS[0]}")
     assert "then waiting for a launch slot (task 0, attempt 2)" in message
