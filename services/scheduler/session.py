@@ -9,7 +9,7 @@ alone; a batch of more than `MAX_BATCH_MESSAGES` ends the stream before any of
 it is applied.
 
 What the reader handles itself is a table by the request's oneof field
-(`Session.at_once`): a heartbeat is acknowledged at once, even while the
+(`Session.AT_ONCE`): a heartbeat is acknowledged at once, even while the
 database is away, so a replica keeps its lease; a draining replica gets no new
 work. Anything else is a report: reports go, in order, to a worker that applies
 whatever has queued as one batch (`reports.py`) while the previous batch is
@@ -24,6 +24,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import ClassVar
 
 import grpc
 
@@ -82,11 +83,6 @@ class Session:
         self.admission = admission
         self.outbox = outbox
         self.health = health
-        # What the reader handles itself, by the request's oneof field; the rest is reports.
-        self.at_once: dict[str, Callable[[Request], None]] = {
-            "heartbeat": self._heartbeat,
-            "draining": self._draining,
-        }
 
     def _heartbeat(self, request: Request) -> None:
         self.outbox.ack(self.cid, pb.ReportAck(ack_seq=request.seq, accepted=True))
@@ -94,6 +90,12 @@ class Session:
     def _draining(self, request: Request) -> None:
         self.lease.draining = True
         self.admission.draining(self.cid)
+
+    # What the reader handles itself, by the request's oneof field; the rest is reports.
+    AT_ONCE: ClassVar[dict[str, Callable[[Session, Request], None]]] = {
+        "heartbeat": _heartbeat,
+        "draining": _draining,
+    }
 
     @property
     def current(self) -> bool:
@@ -114,9 +116,9 @@ class Session:
                 for request in unbatched(envelope):
                     if not order.check(request.seq):
                         raise OutOfSequence(order.expected, request.seq)
-                    handle = self.at_once.get(request.WhichOneof("message") or "")
+                    handle = self.AT_ONCE.get(request.WhichOneof("message") or "")
                     if handle is not None:
-                        handle(request)
+                        handle(self, request)
                     else:
                         work.append(request)
                         queued.set()
