@@ -104,7 +104,7 @@ async def test_a_request_out_of_sequence_ends_the_stream_and_is_not_applied(
         after = (await jobs.GetJob(jpb.GetJobRequest(job_id=held.job_id))).job
         assert after == before
         # The scheduler ended the stream: the lease stays for the replica to reconnect to.
-        assert app.replicas.expired == []
+        assert app.leases.expired == []
 
 
 async def test_a_report_applied_before_its_answer_was_lost_is_a_replay_applied_once(
