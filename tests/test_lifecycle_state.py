@@ -1,0 +1,298 @@
+"""A hypothesis state machine over the job lifecycle (contract §16), on the whole system.
+
+The real scheduler (SQLite), controller replicas, the logs service and the sim
+cloud run in this process with auth on (`lifecycle_world.World`). Rules submit
+jobs (one task, a chain of two, tasks whose code exits non-zero with and without
+restarts left), move the cloud's clock (launches complete, runs end), preempt a
+cluster, cancel a job, kill a replica (another takes its jobs over once its
+lease runs out), start a replica and restart the scheduler on its database.
+After each step the system comes to rest (`World.settle`, awaited, never slept
+for) and the invariants are checked on what was read then:
+- no job lost: every submitted job is in the database and in ListJobs;
+- no job run twice at once: at most one live cluster per job in the cloud;
+- statuses only move along the transition tables, by the events table;
+- the counters equal a recount of the jobs table, and no replica is over its
+  limits (checked by `settle`, which waits for them to agree);
+- a DONE job has no cluster left, and ends as its spec says: SUCCEEDED or
+  FAILED (with the restarts it had), or CANCELLED when it was cancelled before
+  it ended;
+- the history checker (tests/history.py) finds nothing in the events and the
+  inventory: no stale report or launch, no overlapping clusters, no rerun.
+At the end of each example every job is run to its end and judged again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from history import CloudCounters, Kind, check, describe
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from lifecycle_world import LAUNCH, LIVE, RUN, Snapshot, World, describe_job
+
+from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
+from services.common.statuses import (
+    SCHEDULE_TRANSITIONS,
+    JobStatus,
+    ScheduleState,
+    task_transition_allowed,
+)
+
+S = JobStatus
+St = ScheduleState
+REPLICAS = 2
+MAX_REPLICAS = 3
+# Controller ids for replicas started later (one kept for the final run to the end).
+SPARE = 4
+# Rounds of the clock at the end: enough for a chain whose tasks each restart once.
+FINAL_ROUNDS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class JobKind:
+    """A kind of job: its spec, and how it ends when nobody cancels it."""
+
+    spec: str
+    status: JobStatus
+    restarts: int = 0
+
+
+def _task(name: str, sim: str = "", recovery: str = "") -> str:
+    text = f"name: {name}\nrun: train\nsim: {{runtime_seconds: {RUN:g}{sim}}}\n"
+    if recovery:
+        text += f"resources:\n  job_recovery: {recovery}\n"
+    return text
+
+
+KINDS = {
+    "one": JobKind(_task("one"), S.SUCCEEDED),
+    "chain": JobKind(f"name: chain\n---\n{_task('first')}---\n{_task('second')}", S.SUCCEEDED),
+    "fails": JobKind(_task("fails", ", exit_code: 1"), S.FAILED),
+    "fails-once": JobKind(
+        _task("fails-once", ", exit_code: 1, exit_code_runs: 1", "{max_restarts_on_errors: 1}"),
+        S.SUCCEEDED,
+        restarts=1,
+    ),
+    "keeps-failing": JobKind(
+        _task("keeps-failing", ", exit_code: 1", "{max_restarts_on_errors: 1}"),
+        S.FAILED,
+        restarts=1,
+    ),
+}
+
+
+class LifecycleMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.world = World.open(REPLICAS, SPARE)
+        self.kinds: dict[int, str] = {}
+        # Jobs cancelled while not DONE: they must end CANCELLED.
+        self.cancelled: set[int] = set()
+        self.snap: Snapshot = self.world.settle()
+        # False from the start of a step until it passed: a failed example is not run on.
+        self.sound = True
+
+    def teardown(self) -> None:
+        try:
+            if self.sound:
+                self._run_to_the_end()
+        finally:
+            self.world.close()
+
+    # --- steps ---------------------------------------------------------------------------------
+
+    def settle(self) -> None:
+        self.snap = self.world.settle()
+
+    def not_done(self) -> list[int]:
+        return sorted(j for j, row in self.snap.jobs.items() if row.schedule_state != St.DONE)
+
+    @initialize()
+    def start(self) -> None:
+        self.settle()
+
+    @rule(kind=st.sampled_from(sorted(KINDS)))
+    def submit(self, kind: str) -> None:
+        self.sound = False
+        job_id = self.world.submit(KINDS[kind].spec)
+        self.kinds[job_id] = kind
+        self.settle()
+
+    @rule()
+    def launches_complete(self) -> None:
+        """Simulated time passes for a launch: every cluster being launched comes UP."""
+        self.sound = False
+        self.world.advance(LAUNCH)
+        self.settle()
+
+    @rule()
+    def runs_end(self) -> None:
+        """Simulated time passes for a run: every task that was running ends."""
+        self.sound = False
+        self.world.advance(RUN)
+        self.settle()
+
+    def live_clusters(self) -> list[str]:
+        return sorted(c.name for c in self.snap.clusters if c.status in LIVE)
+
+    @precondition(lambda self: self.live_clusters())
+    @rule(data=st.data())
+    def preempt(self, data: st.DataObject) -> None:
+        """The cloud takes a cluster back (while it launches or while it runs)."""
+        self.sound = False
+        name = data.draw(st.sampled_from(self.live_clusters()), label="cluster")
+        assert self.world.preempt(name), f"{name} was live when preempted"
+        self.settle()
+
+    @precondition(lambda self: self.kinds)
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        """A cancel, of a job in any state (a DONE job keeps its status)."""
+        self.sound = False
+        job_id = data.draw(st.sampled_from(sorted(self.kinds)), label="job")
+        if self.snap.jobs[job_id].schedule_state != St.DONE:
+            self.cancelled.add(job_id)
+        self.world.cancel(job_id)
+        self.settle()
+
+    @precondition(lambda self: self.world.replicas)
+    @rule(data=st.data())
+    def replica_dies(self, data: st.DataObject) -> None:
+        """A replica dies; once its lease runs out, its jobs move to the others."""
+        self.sound = False
+        cid = data.draw(st.sampled_from(sorted(self.world.replicas)), label="replica")
+        self.world.kill_replica(cid)
+        self.settle()
+
+    @precondition(lambda self: len(self.world.replicas) < MAX_REPLICAS and self.world.spare > 1)
+    @rule()
+    def replica_starts(self) -> None:
+        self.sound = False
+        self.world.start_replica()
+        self.settle()
+
+    @rule()
+    def scheduler_restarts(self) -> None:
+        """The scheduler stops and starts again on the same database and port."""
+        self.sound = False
+        self.world.restart_scheduler()
+        self.settle()
+
+    # --- invariants ------------------------------------------------------------------------------
+
+    @invariant()
+    def checked(self) -> None:
+        """Every invariant, on the last reading at rest."""
+        self.sound = False
+        snap = self.snap
+        self._no_job_lost(snap)
+        self._one_live_cluster_per_job(snap)
+        self._legal_transitions(snap)
+        self._limits(snap)
+        self._ends(snap)
+        self._history(snap)
+        self.sound = True
+
+    def _no_job_lost(self, snap: Snapshot) -> None:
+        submitted = set(self.kinds)
+        assert submitted <= set(snap.jobs), f"lost: {sorted(submitted - set(snap.jobs))}"
+        assert submitted <= snap.listed, f"not listed: {sorted(submitted - snap.listed)}"
+        for job_id in submitted:
+            row = snap.jobs[job_id]
+            assert row.status == snap.tasks[(job_id, row.current_task)].status or (
+                row.schedule_state == St.DONE
+            ), describe_job(snap, job_id)
+
+    def _one_live_cluster_per_job(self, snap: Snapshot) -> None:
+        for job_id in self.kinds:
+            live = [c for c in snap.clusters_of(job_id) if c.status in LIVE]
+            assert len(live) <= 1, describe_job(snap, job_id)
+
+    def _legal_transitions(self, snap: Snapshot) -> None:
+        tasks: dict[tuple[int, int], JobStatus] = {}
+        states: dict[int, ScheduleState] = {}
+        for e in snap.events:
+            key = (e.job_id, e.task_id)
+            old = tasks.get(key, S.PENDING)
+            assert task_transition_allowed(old, e.status), (
+                f"task {key}: {old.name} -> {e.status.name} at event {e.event_id}\n"
+                + describe_job(snap, e.job_id)
+            )
+            tasks[key] = e.status
+            before = states.get(e.job_id, St.WAITING)
+            assert before == e.schedule_state or e.schedule_state in SCHEDULE_TRANSITIONS[before], (
+                f"job {e.job_id}: {before.name} -> {e.schedule_state.name} at event {e.event_id}\n"
+                + describe_job(snap, e.job_id)
+            )
+            states[e.job_id] = e.schedule_state
+
+    def _limits(self, snap: Snapshot) -> None:
+        assert snap.scheduler is not None
+        for replica in snap.scheduler.replicas:
+            capacity = replica.capacity
+            assert replica.alive <= capacity.max_jobs, replica
+            assert replica.launching <= capacity.max_launches, replica
+
+    def _ends(self, snap: Snapshot) -> None:
+        for job_id, kind in self.kinds.items():
+            row = snap.jobs[job_id]
+            if row.schedule_state != St.DONE:
+                # At rest, a cancelled job not yet DONE waits for a replica to clean it up.
+                if job_id in self.cancelled:
+                    assert row.controller_id is None, describe_job(snap, job_id)
+                continue
+            left = [
+                c for c in snap.clusters_of(job_id) if c.status != spb.CLUSTER_STATUS_TERMINATED
+            ]
+            assert not left, f"clusters left after the end\n{describe_job(snap, job_id)}"
+            if job_id in self.cancelled:
+                assert row.status == S.CANCELLED, describe_job(snap, job_id)
+                continue
+            expected = KINDS[kind]
+            assert row.status == expected.status, describe_job(snap, job_id)
+            restarts = [t.restart_count for (j, _), t in snap.tasks.items() if j == job_id]
+            assert max(restarts) == expected.restarts, describe_job(snap, job_id)
+
+    def _history(self, snap: Snapshot) -> None:
+        done = {j for j in self.kinds if snap.jobs[j].schedule_state == St.DONE}
+        cloud = CloudCounters(
+            stale_launches_rejected=snap.cloud.stale_launches_rejected,
+            stale_terminates_rejected=snap.cloud.stale_terminates_rejected,
+            unterminated_clusters=snap.cloud.unterminated_clusters,
+        )
+        history = dataclasses.replace(snap.history(set(self.kinds)), cloud=cloud)
+        found = [
+            v
+            for v in check(history)
+            if v.job_id in done or v.job_id is None or v.kind != Kind.TERMINAL_STATUS
+        ]
+        assert not found, (
+            describe(found)
+            + "\n"
+            + "\n".join(describe_job(snap, v.job_id) for v in found if v.job_id is not None)
+        )
+
+    # --- the end ---------------------------------------------------------------------------------
+
+    def _run_to_the_end(self) -> None:
+        """Runs every job to its end (a replica is started if none is left), then judges."""
+        if not self.world.replicas:
+            self.world.start_replica()
+            self.settle()
+        for _ in range(FINAL_ROUNDS):
+            if not self.not_done():
+                break
+            self.world.advance(LAUNCH + RUN)
+            self.settle()
+        assert not self.not_done(), "\n".join(describe_job(self.snap, j) for j in self.not_done())
+        self.checked()
+
+
+LifecycleMachine.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestLifecycle = LifecycleMachine.TestCase
