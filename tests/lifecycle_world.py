@@ -309,10 +309,10 @@ class Loop:
 class ReplicaNode:
     """One controller replica and its ControllerService server (made on the world's loop)."""
 
-    def __init__(self, world: World, controller_id: str) -> None:
+    def __init__(self, world: World, controller_id: str, kind: type[Replica] = Replica) -> None:
         self.controller_id = controller_id
         security = world.ids.client(controller_id, False)
-        self.replica = Replica(
+        self.replica = kind(
             controller_id=controller_id,
             address="",
             capacity=REPLICA_CAPACITY,
@@ -346,8 +346,11 @@ class ReplicaNode:
 class World:
     """The servers, and the test's clients of them. Build with `World.open()`."""
 
-    def __init__(self, folder: Path, ids: Identities, controllers: list[str]) -> None:
+    def __init__(
+        self, folder: Path, ids: Identities, controllers: list[str], lease_ttl: float
+    ) -> None:
         self.folder = folder
+        self.lease_ttl = lease_ttl
         self.ids = ids
         self.loop = Loop()
         self.db_path = folder / "scheduler.db"
@@ -364,15 +367,15 @@ class World:
         self.restarts = 0
 
     @classmethod
-    def open(cls, replicas: int, spare: int) -> World:
+    def open(cls, replicas: int, spare: int, lease_ttl: float = LEASE_TTL) -> World:
         """Starts the cloud, the scheduler, the logs service and `replicas` replicas, with
-        tokens for `spare` more."""
+        tokens for `spare` more; leases last `lease_ttl` seconds."""
         folder = Path(tempfile.mkdtemp(prefix="mj-world-"))
         ids = make_identities(folder)
         names = [f"controller-{n}" for n in range(1, replicas + spare + 1)]
         for cid in names:
             ids.tokens[cid] = add_token(ids.tokens_file, cid, Role.CONTROLLER, cid)
-        world = cls(folder, ids, names)
+        world = cls(folder, ids, names, lease_ttl)
         try:
             world.loop.run(world._open())
             for _ in range(replicas):
@@ -415,7 +418,7 @@ class World:
             Limits(),
             security=self.ids.server("scheduler", False),
             port=self.scheduler_port,
-            lease_ttl=LEASE_TTL,
+            lease_ttl=self.lease_ttl,
             heartbeat_interval=HEARTBEAT,
         )
         try:
@@ -468,12 +471,13 @@ class World:
 
         self.loop.run(advance())
 
-    def start_replica(self) -> str:
-        """Starts a replica with a name never used before; returns its controller id."""
+    def start_replica(self, kind: type[Replica] = Replica) -> str:
+        """Starts a replica (of class `kind`) with a name never used before; returns its
+        controller id."""
         cid = self._spare.pop(0)
 
         async def start() -> ReplicaNode:
-            node = ReplicaNode(self, cid)
+            node = ReplicaNode(self, cid, kind)
             await node.start()
             return node
 

@@ -329,8 +329,13 @@ async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(
     """The stream is up but no heartbeat was answered in time (a loaded scheduler): the
     launch is not made, and the job goes back to the scheduler, which may still count
     this replica's lease: it must not stay assigned to a replica that dropped it."""
-    notified: list[dict[str, object]] = []
-    monkeypatch.setattr(replica.link, "notify", lambda **message: notified.append(message))
+    posted: list[dict[str, object]] = []
+
+    def post(**message: object) -> asyncio.Future[pb.ReportAck]:
+        posted.append(message)
+        return asyncio.get_running_loop().create_future()
+
+    monkeypatch.setattr(replica.link, "post", post)
     replica.link.lease_ttl = 0.2  # how long a launch waits for a fresh answer
     replica.link.connected.set()
     message = assignment(11, 2)
@@ -339,5 +344,5 @@ async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(
     runner = replica.runners[11]
     assert runner.task is not None
     await asyncio.wait_for(runner.task, 5)
-    handbacks = [m["job_handback"] for m in notified if "job_handback" in m]
+    handbacks = [m["job_handback"] for m in posted if "job_handback" in m]
     assert [[(j.job_id, j.epoch) for j in h.jobs] for h in handbacks] == [[(11, 2)]]  # type: ignore[attr-defined]

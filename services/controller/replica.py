@@ -129,10 +129,8 @@ class JobRunner:
         except LeaseLost as error:
             self.note(f"stopped: this replica's lease ran out ({error}); handing the job back")
             # The scheduler may still count the lease (it renews on receipt, this replica
-            # from the send): tell it, or the job would stay assigned to no one running
-            # it. At a stale epoch the handback is refused, harmlessly.
-            held = pb.HeldJob(job_id=self.job_id, epoch=self.epoch)
-            self.replica.link.notify(job_handback=pb.JobHandback(jobs=[held]))
+            # from the send): tell it, or the job would stay assigned to no one running it.
+            self.replica.hand_back([self])
         except MovedAway as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
         except Rejected as error:
@@ -331,9 +329,28 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             del self.runners[runner.job_id]
 
     async def on_lease_lost(self) -> None:
-        for runner in list(self.runners.values()):
+        runners = list(self.runners.values())
+        for runner in runners:
             runner.note("lease lost: stopping")
             runner.stop()
+        self.hand_back(runners)
+
+    def hand_back(self, runners: Sequence[JobRunner]) -> None:
+        """Gives the jobs of stopped runners back to the scheduler: on this stream, or on
+        the next one if it is down.
+
+        The next stream's hello may already be on its way, announcing these jobs (the
+        lease can run out while it is), and the scheduler would keep them assigned to
+        this replica, run by no one. The handback goes after that hello and frees them
+        either way; a job the scheduler no longer assigns here at that epoch is left
+        alone.
+        """
+        if not runners:
+            return
+        jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
+        answer = self.link.post(job_handback=pb.JobHandback(jobs=jobs))
+        # Nothing waits for it: a refusal has nothing left to undo.
+        answer.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     @property
     def _handed_back_line(self) -> str:
