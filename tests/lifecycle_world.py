@@ -37,6 +37,8 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
+import re
+import shutil
 import sqlite3
 import tempfile
 import threading
@@ -95,6 +97,8 @@ CLOUD = CloudConfig(
 CONFIG = fast_config()
 # A bound that only turns a system that never comes to rest into a clear failure.
 SETTLE_WITHIN = 30.0
+# Lines of a job's lifecycle log in a failure message.
+LOG_TAIL = 30
 # The test's channels reconnect fast to a restarted scheduler.
 TEST_CHANNEL_OPTIONS = [
     *CHANNEL_OPTIONS,
@@ -588,13 +592,21 @@ class World:
             else:
                 previous = None
             if time.monotonic() > deadline:
+                named = sorted({int(n) for n in re.findall(r"\b(?:job |mj-)(\d+)", " ".join(why))})
                 raise AssertionError(
-                    f"the system did not come to rest within {within:g}s:\n  " + "\n  ".join(why)
+                    f"the system did not come to rest within {within:g}s:\n  "
+                    + "\n  ".join(why)
+                    + "".join(f"\n{self.describe(snapshot, j)}" for j in named)
                 )
             time.sleep(0.02)
 
+    def describe(self, snap: Snapshot, job_id: int) -> str:
+        """`describe_job`, with the job's lifecycle log as the logs service stored it."""
+        return describe_job(snap, job_id, self.folder / "logs" / str(job_id) / "controller.log")
+
     def close(self) -> None:
-        """Stops every server (replicas first), then the loop; idempotent."""
+        """Stops every server (replicas first), then the loop, and removes the files;
+        idempotent."""
 
         async def close() -> None:
             for cid in list(self.replicas):
@@ -613,6 +625,7 @@ class World:
                 self.loop.run(close())
             finally:
                 self.loop.close()
+                shutil.rmtree(self.folder, ignore_errors=True)
 
 
 # --- at rest ------------------------------------------------------------------------------
@@ -719,8 +732,9 @@ def _describe(cluster: spb.Cluster | None) -> str:
     return f"{cluster.name}#{cluster.cluster_id} {status}/{task} epoch {cluster.epoch}"
 
 
-def describe_job(snap: Snapshot, job_id: int) -> str:
-    """A job's row, tasks, events (with epochs) and clusters, for failure messages."""
+def describe_job(snap: Snapshot, job_id: int, lifecycle: Path | None = None) -> str:
+    """A job's row, tasks, events (with epochs), clusters and the end of its lifecycle log
+    (when given its file), for failure messages."""
     lines = [f"job {job_id}: {snap.jobs.get(job_id)}"]
     lines += [f"  task {t}: {row}" for (j, t), row in sorted(snap.tasks.items()) if j == job_id]
     lines += [
@@ -730,6 +744,9 @@ def describe_job(snap: Snapshot, job_id: int) -> str:
         if e.job_id == job_id
     ]
     lines += [f"  cluster {_describe(c)}" for c in snap.clusters_of(job_id)]
+    if lifecycle is not None and lifecycle.exists():
+        tail = lifecycle.read_text(errors="replace").splitlines()[-LOG_TAIL:]
+        lines += [f"  log: {line}" for line in tail]
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from history import CloudCounters, Kind, check, describe
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from lifecycle_world import LAUNCH, LIVE, RUN, Snapshot, World, describe_job
+from lifecycle_world import LAUNCH, LIVE, RUN, Snapshot, World
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from services.common.statuses import (
@@ -89,6 +89,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.kinds: dict[int, str] = {}
         # Jobs cancelled while not DONE: they must end CANCELLED.
         self.cancelled: set[int] = set()
+        self.steps: list[str] = []
         self.snap: Snapshot = self.world.settle()
         # False from the start of a step until it passed: a failed example is not run on.
         self.sound = True
@@ -102,36 +103,42 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     # --- steps ---------------------------------------------------------------------------------
 
-    def settle(self) -> None:
-        self.snap = self.world.settle()
+    def settle(self, step: str) -> None:
+        """Waits for rest after a step; a failure names the steps so far (a failure that
+        depends on timing may not replay, and then hypothesis cannot print them)."""
+        self.steps.append(step)
+        try:
+            self.snap = self.world.settle()
+        except AssertionError as error:
+            raise AssertionError(f"{error}\nsteps: {'; '.join(self.steps)}") from None
 
     def not_done(self) -> list[int]:
         return sorted(j for j, row in self.snap.jobs.items() if row.schedule_state != St.DONE)
 
     @initialize()
     def start(self) -> None:
-        self.settle()
+        self.settle("start")
 
     @rule(kind=st.sampled_from(sorted(KINDS)))
     def submit(self, kind: str) -> None:
         self.sound = False
         job_id = self.world.submit(KINDS[kind].spec)
         self.kinds[job_id] = kind
-        self.settle()
+        self.settle(f"submit {kind} as job {job_id}")
 
     @rule()
     def launches_complete(self) -> None:
         """Simulated time passes for a launch: every cluster being launched comes UP."""
         self.sound = False
         self.world.advance(LAUNCH)
-        self.settle()
+        self.settle("launches complete")
 
     @rule()
     def runs_end(self) -> None:
         """Simulated time passes for a run: every task that was running ends."""
         self.sound = False
         self.world.advance(RUN)
-        self.settle()
+        self.settle("runs end")
 
     def live_clusters(self) -> list[str]:
         return sorted(c.name for c in self.snap.clusters if c.status in LIVE)
@@ -143,7 +150,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.sound = False
         name = data.draw(st.sampled_from(self.live_clusters()), label="cluster")
         assert self.world.preempt(name), f"{name} was live when preempted"
-        self.settle()
+        self.settle(f"preempt {name}")
 
     @precondition(lambda self: self.kinds)
     @rule(data=st.data())
@@ -154,7 +161,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         if self.snap.jobs[job_id].schedule_state != St.DONE:
             self.cancelled.add(job_id)
         self.world.cancel(job_id)
-        self.settle()
+        self.settle(f"cancel job {job_id}")
 
     @precondition(lambda self: self.world.replicas)
     @rule(data=st.data())
@@ -163,21 +170,20 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.sound = False
         cid = data.draw(st.sampled_from(sorted(self.world.replicas)), label="replica")
         self.world.kill_replica(cid)
-        self.settle()
+        self.settle(f"{cid} dies")
 
     @precondition(lambda self: len(self.world.replicas) < MAX_REPLICAS and self.world.spare > 1)
     @rule()
     def replica_starts(self) -> None:
         self.sound = False
-        self.world.start_replica()
-        self.settle()
+        self.settle(f"{self.world.start_replica()} starts")
 
     @rule()
     def scheduler_restarts(self) -> None:
         """The scheduler stops and starts again on the same database and port."""
         self.sound = False
         self.world.restart_scheduler()
-        self.settle()
+        self.settle("the scheduler restarts")
 
     # --- invariants ------------------------------------------------------------------------------
 
@@ -202,12 +208,12 @@ class LifecycleMachine(RuleBasedStateMachine):
             row = snap.jobs[job_id]
             assert row.status == snap.tasks[(job_id, row.current_task)].status or (
                 row.schedule_state == St.DONE
-            ), describe_job(snap, job_id)
+            ), self.world.describe(snap, job_id)
 
     def _one_live_cluster_per_job(self, snap: Snapshot) -> None:
         for job_id in self.kinds:
             live = [c for c in snap.clusters_of(job_id) if c.status in LIVE]
-            assert len(live) <= 1, describe_job(snap, job_id)
+            assert len(live) <= 1, self.world.describe(snap, job_id)
 
     def _legal_transitions(self, snap: Snapshot) -> None:
         tasks: dict[tuple[int, int], JobStatus] = {}
@@ -217,13 +223,13 @@ class LifecycleMachine(RuleBasedStateMachine):
             old = tasks.get(key, S.PENDING)
             assert task_transition_allowed(old, e.status), (
                 f"task {key}: {old.name} -> {e.status.name} at event {e.event_id}\n"
-                + describe_job(snap, e.job_id)
+                + self.world.describe(snap, e.job_id)
             )
             tasks[key] = e.status
             before = states.get(e.job_id, St.WAITING)
             assert before == e.schedule_state or e.schedule_state in SCHEDULE_TRANSITIONS[before], (
                 f"job {e.job_id}: {before.name} -> {e.schedule_state.name} at event {e.event_id}\n"
-                + describe_job(snap, e.job_id)
+                + self.world.describe(snap, e.job_id)
             )
             states[e.job_id] = e.schedule_state
 
@@ -240,19 +246,19 @@ class LifecycleMachine(RuleBasedStateMachine):
             if row.schedule_state != St.DONE:
                 # At rest, a cancelled job not yet DONE waits for a replica to clean it up.
                 if job_id in self.cancelled:
-                    assert row.controller_id is None, describe_job(snap, job_id)
+                    assert row.controller_id is None, self.world.describe(snap, job_id)
                 continue
             left = [
                 c for c in snap.clusters_of(job_id) if c.status != spb.CLUSTER_STATUS_TERMINATED
             ]
-            assert not left, f"clusters left after the end\n{describe_job(snap, job_id)}"
+            assert not left, f"clusters left after the end\n{self.world.describe(snap, job_id)}"
             if job_id in self.cancelled:
-                assert row.status == S.CANCELLED, describe_job(snap, job_id)
+                assert row.status == S.CANCELLED, self.world.describe(snap, job_id)
                 continue
             expected = KINDS[kind]
-            assert row.status == expected.status, describe_job(snap, job_id)
+            assert row.status == expected.status, self.world.describe(snap, job_id)
             restarts = [t.restart_count for (j, _), t in snap.tasks.items() if j == job_id]
-            assert max(restarts) == expected.restarts, describe_job(snap, job_id)
+            assert max(restarts) == expected.restarts, self.world.describe(snap, job_id)
 
     def _history(self, snap: Snapshot) -> None:
         done = {j for j in self.kinds if snap.jobs[j].schedule_state == St.DONE}
@@ -270,7 +276,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert not found, (
             describe(found)
             + "\n"
-            + "\n".join(describe_job(snap, v.job_id) for v in found if v.job_id is not None)
+            + "\n".join(self.world.describe(snap, v.job_id) for v in found if v.job_id is not None)
         )
 
     # --- the end ---------------------------------------------------------------------------------
@@ -278,14 +284,15 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _run_to_the_end(self) -> None:
         """Runs every job to its end (a replica is started if none is left), then judges."""
         if not self.world.replicas:
-            self.world.start_replica()
-            self.settle()
+            self.settle(f"{self.world.start_replica()} starts for the end")
         for _ in range(FINAL_ROUNDS):
             if not self.not_done():
                 break
             self.world.advance(LAUNCH + RUN)
-            self.settle()
-        assert not self.not_done(), "\n".join(describe_job(self.snap, j) for j in self.not_done())
+            self.settle("to the end: a launch and a run")
+        assert not self.not_done(), "\n".join(
+            self.world.describe(self.snap, j) for j in self.not_done()
+        )
         self.checked()
 
 
