@@ -82,6 +82,7 @@ class Link:
         metadata: tuple[tuple[str, str], ...] = (),
         reconnect_max_wait: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.address = address
         self._hello = hello
@@ -91,6 +92,8 @@ class Link:
         self._metadata = metadata
         self._reconnect_max_wait = reconnect_max_wait
         self._clock = clock
+        # Between reconnect attempts (tests make it short).
+        self._sleep = sleep
         self._seq = 0
         self._unacked: dict[
             int, tuple[pb.ConnectControllerRequest, asyncio.Future[pb.ReportAck]]
@@ -249,6 +252,7 @@ class Link:
         """
         while True:
             async for attempt in AsyncRetrying(
+                sleep=self._sleep,
                 wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
                 retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
                 before_sleep=lambda state: log.warning(

@@ -19,7 +19,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -231,7 +231,10 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         config: LifecycleConfig,
         scheduler_address: str,
         security: ClientSecurity | None = None,
+        reconnect_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
+        """`reconnect_sleep` sleeps between attempts to reach the scheduler (tests make it
+        short)."""
         self.controller_id = controller_id
         self.address = address
         self.capacity = capacity
@@ -240,7 +243,12 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
         self.link = Link(
-            scheduler_address, self.hello, self.on_message, self.on_lease_lost, security
+            scheduler_address,
+            self.hello,
+            self.on_message,
+            self.on_lease_lost,
+            security,
+            sleep=reconnect_sleep,
         )
         self.metered = MeteredBackend(backend)
         self.backend: Backend = LeaseGuard(
