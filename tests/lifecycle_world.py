@@ -20,11 +20,12 @@ timestamps stay comparable with the scheduler's, as the history checker needs.
 `settle()` waits until the system is at rest, when nothing can change until the
 test acts again, and returns what it read then (`Snapshot`). At rest means, for
 every job not DONE: it waits for a replica (a new job, or one whose replica died)
-while none has room, or its holder
-(a live replica, at the job's epoch, connected) waits for the cloud's clock: its
-current task RUNNING on an UP cluster whose run goes on, or STARTING/RECOVERING
-with its launch (an INIT cluster of this epoch) under way. No other cluster is
-left alive, no replica runs a job it does not hold, and the scheduler's counters
+while none has room, or its holder (a live replica, at the job's epoch,
+connected) waits for the cloud's clock: its current task RUNNING on an UP
+cluster whose run goes on, or STARTING/RECOVERING with its launch (an INIT
+cluster of this epoch) under way, or with its launch preempted before it was up
+and held back with the other launches of its call. No other cluster is left
+alive, no replica runs a job it does not hold, and the scheduler's counters
 equal a recount of its jobs table.
 """
 
@@ -85,18 +86,28 @@ T = TypeVar("T")
 # Simulated seconds: a launch, then a run. Real seconds: the leases.
 LAUNCH = 100.0
 RUN = 300.0
-LEASE_TTL = 1.0
-HEARTBEAT = 0.2
+LEASE_TTL = 0.5
+HEARTBEAT = 0.1
 REPLICA_CAPACITY = scheduler_service_pb2.Capacity(max_launches=4, max_jobs=3)
 REGIONS = ("us-east-1", "us-west-2")
 CLOUD = CloudConfig(
     regions=tuple(RegionConfig(r, (f"{r}a",), spot_nodes=50, on_demand_nodes=50) for r in REGIONS),
     launch_latency_seconds=LAUNCH,
 )
-# Every lifecycle duration in milliseconds; watching relies on the cloud's pushed events.
-CONFIG = fast_config()
+# Every lifecycle duration in milliseconds (a stopped task's grace too: the cloud's
+# clock runs with real time); watching relies on the cloud's pushed events.
+CONFIG = fast_config(grace_period=0.01)
+# Seconds between shipments of lifecycle log lines (a job ends once its lines are shipped).
+LOG_FLUSH = 0.01
+
+
+async def reconnect_sleep(delay: float) -> None:
+    """A replica waits a tenth of its backoff before it tries the scheduler again."""
+    await asyncio.sleep(delay / 10)
+
+
 # A bound that only turns a system that never comes to rest into a clear failure.
-SETTLE_WITHIN = 30.0
+SETTLE_WITHIN = 20.0
 # Lines of a job's lifecycle log in a failure message.
 LOG_TAIL = 30
 # The test's channels reconnect fast to a restarted scheduler.
@@ -321,10 +332,11 @@ class ReplicaNode:
             address="",
             capacity=REPLICA_CAPACITY,
             backend=SimBackend(world.cloud_address, security=security),
-            logs=LogsClient(world.logs_address, security),
+            logs=LogsClient(world.logs_address, security, flush_interval=LOG_FLUSH),
             config=CONFIG,
             scheduler_address=world.scheduler_address,
             security=security,
+            reconnect_sleep=reconnect_sleep,
         )
         self.server = Server("127.0.0.1", 0, security=world.ids.server(controller_id, False))
         self.server.add(
@@ -687,13 +699,22 @@ def unsettled(world: World, snap: Snapshot) -> list[str]:
             if not running:
                 why.append(f"{where}: its cluster is {_describe(cluster)}")
         elif task.status in (S.STARTING, S.RECOVERING):
-            launching = (
+            ours = (
                 cluster is not None
-                and cluster.status == spb.CLUSTER_STATUS_INIT
                 and cluster.epoch == job.epoch
                 and job.schedule_state == St.LAUNCHING
             )
-            if not launching:
+            launching = ours and cluster is not None and cluster.status == spb.CLUSTER_STATUS_INIT
+            # A launch preempted before it was up is answered with the other launches of
+            # its LaunchClusters call, once they are up: it waits for the clock as well.
+            held_back = (
+                ours
+                and cluster is not None
+                and cluster.preempted
+                and not cluster.HasField("up_time")
+                and any(c.status == spb.CLUSTER_STATUS_INIT for c in snap.clusters)
+            )
+            if not (launching or held_back):
                 why.append(f"{where}: its cluster is {_describe(cluster)}")
         else:
             why.append(f"{where} is on its way")

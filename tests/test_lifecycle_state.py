@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from history import CloudCounters, Kind, check, describe
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from lifecycle_world import LAUNCH, LIVE, RUN, Snapshot, World
@@ -82,6 +82,11 @@ KINDS = {
 }
 
 
+def _few(n: int) -> str:
+    """A count for the statistics of the examples: 0, 1, 2 or 3+."""
+    return str(n) if n < 3 else "3+"
+
+
 class LifecycleMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
@@ -115,16 +120,22 @@ class LifecycleMachine(RuleBasedStateMachine):
     def not_done(self) -> list[int]:
         return sorted(j for j, row in self.snap.jobs.items() if row.schedule_state != St.DONE)
 
-    @initialize()
-    def start(self) -> None:
-        self.settle("start")
+    def _submit(self, kind: str) -> int:
+        job_id = self.world.submit(KINDS[kind].spec)
+        self.kinds[job_id] = kind
+        return job_id
+
+    @initialize(kinds=st.lists(st.sampled_from(sorted(KINDS)), min_size=1, max_size=3))
+    def start(self, kinds: list[str]) -> None:
+        """Some jobs from the start, so that the first steps have something to act on."""
+        self.sound = False
+        jobs = [f"{kind} as job {self._submit(kind)}" for kind in kinds]
+        self.settle(f"submit {', '.join(jobs)}")
 
     @rule(kind=st.sampled_from(sorted(KINDS)))
     def submit(self, kind: str) -> None:
         self.sound = False
-        job_id = self.world.submit(KINDS[kind].spec)
-        self.kinds[job_id] = kind
-        self.settle(f"submit {kind} as job {job_id}")
+        self.settle(f"submit {kind} as job {self._submit(kind)}")
 
     @rule()
     def launches_complete(self) -> None:
@@ -149,6 +160,8 @@ class LifecycleMachine(RuleBasedStateMachine):
         """The cloud takes a cluster back (while it launches or while it runs)."""
         self.sound = False
         name = data.draw(st.sampled_from(self.live_clusters()), label="cluster")
+        [cluster] = [c for c in self.snap.clusters if c.name == name and c.status in LIVE]
+        event(f"preempt a cluster {spb.ClusterStatus.Name(cluster.status)}")
         assert self.world.preempt(name), f"{name} was live when preempted"
         self.settle(f"preempt {name}")
 
@@ -158,17 +171,26 @@ class LifecycleMachine(RuleBasedStateMachine):
         """A cancel, of a job in any state (a DONE job keeps its status)."""
         self.sound = False
         job_id = data.draw(st.sampled_from(sorted(self.kinds)), label="job")
-        if self.snap.jobs[job_id].schedule_state != St.DONE:
+        row = self.snap.jobs[job_id]
+        event(f"cancel a job {row.status.name}/{row.schedule_state.name}")
+        if row.schedule_state != St.DONE:
             self.cancelled.add(job_id)
         self.world.cancel(job_id)
         self.settle(f"cancel job {job_id}")
 
-    @precondition(lambda self: self.world.replicas)
+    def holders(self) -> list[str]:
+        """The live replicas that hold a job not DONE."""
+        held = {self.snap.jobs[j].controller_id for j in self.not_done()}
+        return sorted(cid for cid in self.world.replicas if cid in held)
+
+    @precondition(lambda self: self.holders())
     @rule(data=st.data())
     def replica_dies(self, data: st.DataObject) -> None:
-        """A replica dies; once its lease runs out, its jobs move to the others."""
+        """A replica holding jobs dies; once its lease runs out, they move to the others."""
         self.sound = False
-        cid = data.draw(st.sampled_from(sorted(self.world.replicas)), label="replica")
+        cid = data.draw(st.sampled_from(self.holders()), label="replica")
+        held = sum(self.snap.jobs[j].controller_id == cid for j in self.not_done())
+        event(f"a replica dies holding {_few(held)} jobs")
         self.world.kill_replica(cid)
         self.settle(f"{cid} dies")
 
@@ -178,10 +200,12 @@ class LifecycleMachine(RuleBasedStateMachine):
         self.sound = False
         self.settle(f"{self.world.start_replica()} starts")
 
+    @precondition(lambda self: self.not_done())
     @rule()
     def scheduler_restarts(self) -> None:
         """The scheduler stops and starts again on the same database and port."""
         self.sound = False
+        event(f"the scheduler restarts with {_few(len(self.not_done()))} jobs not done")
         self.world.restart_scheduler()
         self.settle("the scheduler restarts")
 
