@@ -24,9 +24,10 @@ while none has room, or its holder (a live replica, at the job's epoch,
 connected) waits for the cloud's clock: its current task RUNNING on an UP
 cluster whose run goes on, or STARTING/RECOVERING with its launch (an INIT
 cluster of this epoch) under way, or with its launch preempted before it was up
-and held back with the other launches of its call. No other cluster is left
-alive, no replica runs a job it does not hold, and the scheduler's counters
-equal a recount of its jobs table.
+and held back with the other launches of its call. And no replica runs a job it
+does not hold, and the scheduler's counters equal a recount of its jobs table.
+What is wrong for good (a cluster left behind, say) is the test's to judge: the
+system is at rest with it.
 """
 
 from __future__ import annotations
@@ -667,18 +668,15 @@ def unsettled(world: World, snap: Snapshot) -> list[str]:
     for cid, seen in snap.controllers.items():
         for runner in seen.jobs if seen is not None else ():
             held[runner.job_id] = (cid, runner.epoch)
-    expected_clusters: set[str] = set()
     for job in snap.jobs.values():
         if job.schedule_state == St.DONE:
             continue
         task = snap.tasks[(job.job_id, job.current_task)]
-        name = cluster_name(job.job_id, job.current_task)
         cluster = snap.latest(job.job_id, job.current_task)
         where = f"job {job.job_id} ({task.status.name}/{job.schedule_state.name})"
         if job.controller_id is None:
-            # New, or its replica died: it waits for room. Its last holder's cluster is
-            # left to whoever resumes it.
-            expected_clusters.add(name)
+            # New, or its replica died: it waits for room (its last holder's cluster is
+            # left to whoever resumes it).
             if room:
                 why.append(f"{where} waits for a replica while {', '.join(room)} have room")
             continue
@@ -688,7 +686,6 @@ def unsettled(world: World, snap: Snapshot) -> list[str]:
         if held.get(job.job_id) != (job.controller_id, job.epoch):
             why.append(f"{where}: {job.controller_id} does not run it at epoch {job.epoch}")
             continue
-        expected_clusters.add(name)
         if task.status == S.RUNNING:
             running = (
                 cluster is not None
@@ -730,13 +727,6 @@ def unsettled(world: World, snap: Snapshot) -> list[str]:
             )
         ):
             why.append(f"{cid} still runs job {job_id} at epoch {epoch}")
-    for c in snap.clusters:
-        if c.status != spb.CLUSTER_STATUS_TERMINATED and c.name not in expected_clusters:
-            why.append(f"cluster {_describe(c)} is left alive")
-        elif c.status in LIVE and c.name in expected_clusters:
-            latest = snap.latest(c.job_id, c.task_id)
-            if latest is not None and latest.cluster_id != c.cluster_id:
-                why.append(f"cluster {_describe(c)} is alive beside {latest.cluster_id}")
     reported = reported_counters(state)
     expected = expected_counters(snap.recount, sorted(leases))
     drift = {k: (reported.get(k, 0), v) for k, v in expected.items() if reported.get(k, 0) != v}
