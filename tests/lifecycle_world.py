@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from history import CounterSnapshot, EventRecord, History, expected_counters
+from history import CloudCounters, EventRecord, History, expected_counters
 from identities import Identities, make_identities
 from lifecycle_harness import fast_config
 from reliability import cluster_record, reported_counters
@@ -100,13 +100,6 @@ CLOUD = CloudConfig(
 CONFIG = fast_config(grace_period=0.01)
 # Seconds between shipments of lifecycle log lines (a job ends once its lines are shipped).
 LOG_FLUSH = 0.01
-
-
-async def reconnect_sleep(delay: float) -> None:
-    """A replica waits a tenth of its backoff before it tries the scheduler again."""
-    await asyncio.sleep(delay / 10)
-
-
 # A bound that only turns a system that never comes to rest into a clear failure.
 SETTLE_WITHIN = 20.0
 # Lines of a job's lifecycle log in a failure message.
@@ -118,11 +111,17 @@ TEST_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 50),
     ("grpc.max_reconnect_backoff_ms", 200),
 ]
-# Cluster statuses in which a cluster holds capacity, or at least is not terminated.
+# Cluster statuses in which a cluster holds capacity: launching or up.
 LIVE = frozenset({spb.CLUSTER_STATUS_INIT, spb.CLUSTER_STATUS_UP})
+# Task statuses of a run that goes on.
 TASK_GOING = frozenset(
     {spb.TASK_STATUS_PENDING, spb.TASK_STATUS_SETTING_UP, spb.TASK_STATUS_RUNNING}
 )
+
+
+async def reconnect_sleep(delay: float) -> None:
+    """A replica waits a tenth of its backoff before it tries the scheduler again."""
+    await asyncio.sleep(delay / 10)
 
 
 class JumpClock(ManualClock):
@@ -208,15 +207,17 @@ class Snapshot:
         found = [c for c in self.clusters if c.name == name]
         return max(found, key=lambda c: c.cluster_id) if found else None
 
-    def counters(self, label: str) -> CounterSnapshot:
-        reported = reported_counters(self.scheduler) if self.scheduler is not None else {}
-        return CounterSnapshot(label, reported, self.recount)
-
     def history(self, job_ids: set[int]) -> History:
+        """The record as the history checker reads it, judging `job_ids`."""
         return History(
             events=self.events,
             clusters=[cluster_record(c) for c in self.clusters],
             job_ids=sorted(job_ids),
+            cloud=CloudCounters(
+                stale_launches_rejected=self.cloud.stale_launches_rejected,
+                stale_terminates_rejected=self.cloud.stale_terminates_rejected,
+                unterminated_clusters=self.cloud.unterminated_clusters,
+            ),
         )
 
     def fingerprint(self) -> tuple[Any, ...]:
@@ -248,8 +249,10 @@ class Tables:
         self._events: list[EventRecord] = []
 
     def read(self) -> tuple[dict[int, JobRow], dict[tuple[int, int], TaskRow], list[EventRecord]]:
+        """The jobs, their tasks and every event so far, in one read transaction."""
         after = self._events[-1].event_id if self._events else 0
         with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as conn:
+            conn.execute("BEGIN")
             jobs = {
                 int(i): JobRow(
                     int(i), _status(s), ScheduleState[st], int(t), c, int(e or 0), bool(cr)
@@ -374,14 +377,14 @@ class World:
         self.tables = Tables(self.db_path)
         self._spare = list(controllers)
         self.replicas: dict[str, ReplicaNode] = {}
-        self.dead: list[str] = []
         self.scheduler: SchedulerApp | None = None
         self.scheduler_port = 0
         self.cloud: RunningCloud | None = None
+        self.cloud_address = ""
+        self.logs_address = ""
         self.clock = JumpClock()
         self._stack = contextlib.AsyncExitStack()
         self._channels: dict[str, grpc.Channel] = {}
-        self.restarts = 0
 
     @classmethod
     def open(cls, replicas: int, spare: int, lease_ttl: float = LEASE_TTL) -> World:
@@ -508,7 +511,6 @@ class World:
 
     def kill_replica(self, controller_id: str) -> None:
         node = self.replicas.pop(controller_id)
-        self.dead.append(controller_id)
         self.loop.run(node.stop())
 
     def restart_scheduler(self) -> None:
@@ -518,22 +520,14 @@ class World:
             await self._stop_scheduler()
             await self._start_scheduler()
 
-        self.restarts += 1
         self.loop.run(restart())
 
     # --- reading and waiting ---------------------------------------------------------------
 
     def read(self) -> Snapshot:
+        """One reading of everything (`Snapshot`): the database first, then the services."""
         jobs, tasks, events = self.tables.read()
-        with contextlib.closing(sqlite3.connect(self.db_path, timeout=10)) as conn:
-            recount = collections.Counter(
-                {
-                    (c, ScheduleState[s]): int(n)
-                    for c, s, n in conn.execute(
-                        "SELECT controller_id, schedule_state, count(*) FROM jobs GROUP BY 1, 2"
-                    )
-                }
-            )
+        recount = collections.Counter((j.controller_id, j.schedule_state) for j in jobs.values())
         scheduler: scheduler_service_pb2.GetSchedulerStateResponse | None = None
         listed: set[int] = set()
         try:
