@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 BUF := .tools/node_modules/.bin/buf
 STAMP := $(VENV)/.installed
 
-.PHONY: install up test lint format protos check-protos bench clean
+.PHONY: install up test test-fast lint format protos check-protos bench clean
 
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -20,10 +20,14 @@ $(BUF):
 	npm install --silent --no-audit --no-fund --prefix .tools @bufbuild/buf@1.75.0
 
 up: $(STAMP)
-	$(BIN)/python -m services.stack
+	$(BIN)/python -m services.launcher
 
 test: $(STAMP)
 	$(BIN)/pytest -q
+
+# The unit tests: no services started as processes, no sshd, SQLite only.
+test-fast: $(STAMP)
+	MJ_TEST_DATABASES=sqlite $(BIN)/pytest -q -m "not e2e and not sshd" --ignore=tests/system
 
 lint: $(STAMP) $(BUF)
 	$(BIN)/ruff check .

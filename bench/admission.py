@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import itertools
 import statistics
 import subprocess
 import sys
@@ -37,24 +38,21 @@ from pathlib import Path
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from machine import probe_filesystem
-from results import record
-from system import cpu_seconds, empty_server, postgres_database
-
+from harness.bench.machine import probe_filesystem
+from harness.bench.results import record
+from harness.bench.system import cpu_seconds, empty_server, postgres_database
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import (
     job_service_pb2_grpc,
     scheduler_service_pb2_grpc,
 )
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.common.auth import Role, add_token
-from services.common.certs import make_certificates
 from services.common.channels import ClientSecurity, open_channel
-from services.common.tls import ClientTls
+from services.common.security.auth import Role, add_token
+from services.common.security.certs import make_certificates
+from services.common.security.tls import ClientTls
 from services.controller.link import unbatched
-from services.stack import free_port, wait_serving
+from services.launcher.stack import free_port, wait_serving
 
 SPEC = "name: bench\nrun: echo hi\n"
 
@@ -83,9 +81,9 @@ class BenchReplica:
                         capacity=pb.Capacity(max_launches=1_000_000, max_jobs=1_000_000),
                     ),
                 )
-                while True:
+                for seq in itertools.count(2):
                     await asyncio.sleep(1)
-                    yield pb.ConnectControllerRequest(heartbeat=pb.ControllerHeartbeat())
+                    yield pb.ConnectControllerRequest(seq=seq, heartbeat=pb.ControllerHeartbeat())
 
             async for response in stub.ConnectController(requests()):
                 now = time.perf_counter()

@@ -1,6 +1,6 @@
 """The cost of a status change against the length of the chain: flat, not quadratic.
 
-Starts the whole system (bench/system.py) and runs one chain of N tasks for each
+Starts the whole system (harness/bench/system.py) and runs one chain of N tasks for each
 N (10, 100, 1,000 by default). Its tasks have no `run`, so each goes STARTING then
 SUCCEEDED at once and the whole chain is a stream of status changes through the
 scheduler. Reports, per N, the wall time and the scheduler's CPU time per status
@@ -13,19 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from results import record
-from system import channel, cpu_seconds, processes, running_system
-
+from harness.bench.results import record
+from harness.bench.system import channel, cpu_seconds, processes, running_system
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
-from services.stack import Stack
+from services.launcher.stack import Stack
 
 
 def chain(length: int) -> str:

@@ -1,6 +1,6 @@
 """Benchmark: the fuzz test's generator, run longer, counting every answer.
 
-Starts the four servers in this process as the fuzz test does (tests/test_fuzz.py:
+Starts the four servers in this process as the fuzz test does (tests/system/test_fuzz.py:
 scheduler, a controller replica, logs, sim cloud; tokens and roles on), and for
 each RPC of the access policy sends `--examples` hypothesis-generated requests
 (or as many as fit in `--seconds` per RPC), without shrinking. Prints one JSON
@@ -21,23 +21,19 @@ import asyncio
 import collections
 import dataclasses
 import logging
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+import grpc
 
-import grpc  # noqa: E402
-from fuzz_system import Fuzzer, fuzzing_system  # noqa: E402
-from fuzzing import Attempt, attempts, explore  # noqa: E402
-from identities import make_identities  # noqa: E402
-from machine import machine  # noqa: E402
-from results import record  # noqa: E402
-
-from services.common.access import POLICY  # noqa: E402
+from harness.bench.machine import machine
+from harness.bench.results import record
+from harness.fuzz_system import Fuzzer, fuzzing_system
+from harness.fuzzing import Attempt, attempts, explore, fuzz_seed
+from harness.identities import make_identities
+from services.common.security.access import POLICY
 
 SHOWN_PROBLEMS = 20
 
@@ -84,6 +80,7 @@ class LoggedErrors(logging.Handler):
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = [m for m in POLICY if args.methods in m]
+    seed = fuzz_seed() if args.seed is None else args.seed
     logged = LoggedErrors()
     logging.getLogger().addHandler(logged)
     report: dict[str, dict[str, Any]] = {}
@@ -105,7 +102,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     examples=args.examples,
                     budget=args.seconds,
                     shrink=False,
-                    seed=args.seed,
+                    seed=seed,
                 )
                 report[method.strip("/")] = {
                     "examples": ran,
@@ -117,6 +114,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "bench": "fuzz",
         "examples_per_rpc": args.examples,
         "seconds_per_rpc": args.seconds,
+        "seed": seed,
         "database": "postgresql" if args.database_url.startswith("postgres") else "sqlite",
         "rpcs": report,
         "problems_total": len(problems),
@@ -135,7 +133,12 @@ def main() -> None:
         "--database-url", default="", help="the scheduler's database (default: SQLite)"
     )
     parser.add_argument("--methods", default="", help="only RPCs whose name contains this")
-    parser.add_argument("--seed", type=int, default=None, help="hypothesis seed")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="hypothesis seed (default: MJ_FUZZ_SEED, else a fresh one)",
+    )
     args = parser.parse_args()
     record("fuzz", asyncio.run(run(args)))
 

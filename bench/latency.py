@@ -1,6 +1,6 @@
 """Submit -> first launch under Poisson arrivals, and a single sequential client's submit time.
 
-Starts the whole system (bench/system.py: sim cloud with launch latency 0, one
+Starts the whole system (harness/bench/system.py: sim cloud with launch latency 0, one
 replica), then:
 - for each mean gap (0.5 s and 0.05 s by default), submits jobs at Poisson
   arrival times from one client and measures submit -> first launch (the job's
@@ -28,15 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from results import record
-from system import (
+from harness.bench.results import record
+from harness.bench.system import (
     LONG_SPEC,
     CpuMeter,
     channel,
@@ -46,11 +43,10 @@ from system import (
     running_system,
     summary,
 )
-
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.common.channels import ClientSecurity, open_channel, open_sync_channel
-from services.stack import Stack, free_port
+from services.launcher.stack import Stack, free_port
 
 
 async def poisson(stack: Stack, jobs: int, gap: float, seed: int) -> dict[str, object]:

@@ -1,7 +1,7 @@
 """Reading a big queue: ListJobs pages, `mj queue --all`, and WatchJobs with many watchers.
 
 Starts the scheduler (and the rest of the system, with no replica, so jobs stay
-queued: bench/system.py), fills it with N jobs through SubmitJobs, and measures:
+queued: harness/bench/system.py), fills it with N jobs through SubmitJobs, and measures:
 - the time of each ListJobs page of 1,000 over the whole queue, at each size
   (10,000 and 100,000 jobs by default): p50/p99 per page;
 - `mj queue --all` over the first size: the wall time until it has printed every job;
@@ -26,14 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from results import record
-from system import LONG_SPEC, channel, running_system, summary
-
+from harness.bench.results import record
+from harness.bench.system import LONG_SPEC, channel, running_system, summary
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
-from services.stack import Stack
+from services.launcher.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 

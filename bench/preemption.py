@@ -1,6 +1,6 @@
 """Preemptions on a pushing backend: how soon a job notices and runs again.
 
-Starts the whole system (bench/system.py: sim cloud with launch latency 0, one
+Starts the whole system (harness/bench/system.py: sim cloud with launch latency 0, one
 replica), runs N long spot jobs until they are all RUNNING, then preempts their
 clusters through the sim cloud's operator API without notice (the cluster goes
 DOWN at once and the cloud pushes the change):
@@ -20,23 +20,18 @@ when one is given; none here). Records one JSON line (`results.py`).
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from system import LONG_SPEC, CpuMeter, JobEvents, channel, run_jobs_bench, summary
-
+from harness.bench.system import LONG_SPEC, CpuMeter, JobEvents, channel, run_jobs_bench, summary
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.backends.base import cluster_name
-from services.stack import Stack
+from services.launcher.stack import Stack
 
 SPEC = LONG_SPEC + "resources: {use_spot: true}\n"
-REGION = "us-east-1"  # the one region of bench/system.py's cloud
+REGION = "us-east-1"  # the one region of harness/bench/system.py's cloud
 RUNNING, RECOVERING = job_pb2.JOB_STATUS_RUNNING, job_pb2.JOB_STATUS_RECOVERING
 
 

@@ -1,6 +1,6 @@
 """N jobs submitted at once on the sim cloud (launch latency 0): how fast they all run, and cost.
 
-Starts the whole system as processes (bench/system.py), measures every process
+Starts the whole system as processes (harness/bench/system.py), measures every process
 before, submits N long jobs as fast as the API takes them, and reports:
 - seconds until every job is RUNNING, and submissions per second;
 - submit -> first launch (the job's STARTING event) p50/p99;
@@ -37,10 +37,8 @@ from typing import Any
 import grpc
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from results import record
-from system import (
+from harness.bench.results import record
+from harness.bench.system import (
     LONG_SPEC,
     channel,
     cpu_seconds,
@@ -50,11 +48,10 @@ from system import (
     running_system,
     summary,
 )
-
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import scheduler_service_pb2 as spb
-from services.stack import Stack
+from services.launcher.stack import Stack
 
 
 async def submit_all(stack: Stack, jobs: int, concurrency: int, batch: int) -> float:

@@ -24,13 +24,13 @@ import time
 from pathlib import Path
 
 import psutil
-from results import record
 
+from harness.bench.results import record
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
-from services.common.auth import Role, add_token
 from services.common.channels import ClientSecurity, open_channel, open_sync_channel
-from services.stack import free_port, wait_serving
+from services.common.security.auth import Role, add_token
+from services.launcher.stack import free_port, wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 

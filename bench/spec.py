@@ -13,16 +13,11 @@ Records one JSON line (`results.py`).
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from results import record
-
-from services.scheduler.spec import SpecError, parse_job_spec
+from harness.bench.results import record
+from services.scheduler.spec.parse import SpecError, parse_job_spec
 
 MINIMAL = "name: bench\nrun: echo hi\n"
 TYPICAL = """\

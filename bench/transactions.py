@@ -33,26 +33,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import sqlite3
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from machine import probe_filesystem
-from results import record
 from sqlalchemy import Connection, text
-from system import postgres_database, summary
 
+from harness.bench.machine import probe_filesystem
+from harness.bench.results import record
+from harness.bench.system import postgres_database, summary
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.reports import Reports
-from services.scheduler.spec import parse_job_spec
+from services.scheduler.spec.parse import parse_job_spec
 from services.scheduler.store import NewJob, Store
 
 SELECT = text("SELECT 1")
@@ -91,10 +89,11 @@ async def batches(url: str, size: int, rounds: int, synchronous: str) -> dict[st
     reports = Reports(store)
     spec = parse_job_spec("name: bench\nrun: train\n")
     cpu = dict.fromkeys(("move", "starting", "running", "release"), 0.0)
+    numbers = itertools.count(1)
 
     def report(job_id: int, epoch: int, status: JobStatus) -> pb.ConnectControllerRequest:
         change = pb.TaskTransition(job_id=job_id, epoch=epoch, status=int(status), attempt=1)  # type: ignore[arg-type]
-        return pb.ConnectControllerRequest(transition=change)
+        return pb.ConnectControllerRequest(seq=next(numbers), transition=change)
 
     try:
         for round_ in range(rounds):

@@ -22,18 +22,20 @@ from sqlalchemy import Connection
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import job_service_pb2_grpc
-from services.common.edge import ServerSecurity
+from services.common.security.edge import ServerSecurity
+from services.launcher.stack import Stack
 from services.scheduler.admission import Limits
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
 from services.scheduler.main import SchedulerApp
 from services.scheduler.store import Store
-from services.stack import Stack
 
 POSTGRES_ADMIN_URL = os.environ.get(
     "MJ_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
 )
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+# The databases the store's tests run on: both unless narrowed (`make test-fast`: sqlite).
+DATABASES = [d for d in os.environ.get("MJ_TEST_DATABASES", "sqlite,postgres").split(",") if d]
 
 
 def _admin(sql: str) -> None:
@@ -66,7 +68,7 @@ def postgres_base() -> Iterator[str]:
     _admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+@pytest.fixture(params=DATABASES)
 async def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """An empty database: a SQLite file, or the session's PostgreSQL database emptied."""
     if request.param == "sqlite":
@@ -125,7 +127,8 @@ def store(database: Database, bus: EventBus) -> Store:
     return Store(database, bus)
 
 
-# Under CI, hypothesis runs the same examples every time, so a red run is reproducible.
+# Under CI, hypothesis runs the same examples every time, so a red run is reproducible;
+# the fuzzers (harness/fuzzing.py `explore`) instead draw a fresh seed each run and name it.
 hypothesis_settings.register_profile("ci", derandomize=True, deadline=None)
 if IN_CI:
     hypothesis_settings.load_profile("ci")

@@ -31,7 +31,7 @@ from services.backends.base import (
     TaskStatus,
     cluster_name,
 )
-from services.backends.local_users import (
+from services.backends.local.users import (
     DEFAULT_RUN_AS,
     DEFAULT_RUN_AS_UIDS,
     run_as_setting,
@@ -104,7 +104,7 @@ BACKENDS: dict[str, BackendSpec] = {
     for spec in (
         BackendSpec(
             "local",
-            "services.backends.local:from_settings",
+            "services.backends.local.backend:from_settings",
             "processes on this host (default)",
             (
                 Setting(
@@ -134,7 +134,7 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
         BackendSpec(
             "sim",
-            "services.backends.sim:from_settings",
+            "services.backends.sim.backend:from_settings",
             "the simulated cloud (mj-simcloud)",
             (
                 Setting(

@@ -45,8 +45,9 @@ from managedjobs.v1 import job_pb2
 from services.cli import commands
 from services.cli.client import Client, ServiceError
 from services.cli.exit_codes import ExitCode, UsageError
-from services.common.auth import Secrets
 from services.common.channels import ClientSecurity, TokenSource
+from services.common.security.auth import Secrets
+from services.common.security.tls import ClientTls, TlsConfigError
 from services.common.settings import (
     DATA_DIR,
     LOGS_ADDRESS,
@@ -58,7 +59,6 @@ from services.common.settings import (
     Setting,
     count,
 )
-from services.common.tls import ClientTls, TlsConfigError
 
 Command = Callable[[Client, argparse.Namespace], int]
 

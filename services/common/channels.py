@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from services.common.tls import ClientTls
+from services.common.security.tls import ClientTls
 
 # A message's bound, both ways, on every server and channel of the system.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024

@@ -11,7 +11,9 @@ Calls are grouped by a key: only items that would take the same time go together
 (a stop with a 30 s grace must not hold up a teardown without one). A call goes on
 the next turn of the event loop with every other call of its key made until then;
 when `in_flight` batches of the key are out already, it goes with the next batch,
-once one of them is answered. Batching never waits for company. A caller that
+once one of them is answered. Batching never waits for company; a call whose
+answers may be slow (a stop answers once its task ended, a grace later) takes
+`in_flight=None`, so no call ever waits for another's answer. A caller that
 gives up before its batch leaves drops out of it; one that gives up later leaves
 its item to finish without it (the batched calls are idempotent), and an item
 that then succeeds for nobody is handed to `abandoned`, to be undone if need be.
@@ -44,7 +46,7 @@ class Coalescer(Generic[K, T, R]):
         self,
         send: Send[K, T, R],
         max_batch: int = MAX_BATCH,
-        in_flight: int = IN_FLIGHT,
+        in_flight: int | None = IN_FLIGHT,
         abandoned: Abandoned[T, R] | None = None,
     ) -> None:
         self._send = send
@@ -53,6 +55,9 @@ class Coalescer(Generic[K, T, R]):
         self._abandoned = abandoned
         self._pending: dict[K, list[tuple[T, asyncio.Future[R]]]] = {}
         self._senders: dict[K, set[asyncio.Task[None]]] = {}
+        # Keys with a sender started that has not yet taken its batch: a call made
+        # meanwhile goes with it, rather than start a sender of its own.
+        self._starting: set[K] = set()
         # Batches sent so far.
         self.batches = 0
 
@@ -61,14 +66,18 @@ class Coalescer(Generic[K, T, R]):
         future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(key, []).append((item, future))
         senders = self._senders.setdefault(key, set())
-        if len(senders) < self._in_flight:
+        if key not in self._starting and (
+            self._in_flight is None or len(senders) < self._in_flight
+        ):
             # It starts on the next turn of the loop: calls made in this one go with it.
+            self._starting.add(key)
             senders.add(asyncio.create_task(self._sender(key), name="coalesce"))
         return await future
 
     async def _sender(self, key: K) -> None:
         """Sends batches of the key while callers wait, one at a time."""
         batch: list[tuple[T, asyncio.Future[R]]] = []
+        self._starting.discard(key)
         try:
             while waiting := [p for p in self._pending.pop(key, []) if not p[1].done()]:
                 batch, rest = waiting[: self._max_batch], waiting[self._max_batch :]

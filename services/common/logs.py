@@ -54,7 +54,7 @@ def setup(service: str, level: str = "INFO") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
-    # Audit lines (services/common/edge.py) are written whatever the level.
+    # Audit lines (services/common/security/edge.py) are written whatever the level.
     logging.getLogger("audit").setLevel(logging.INFO)
     # SQLAlchemy is loud at INFO; asyncssh logs every SSH command the ssh
     # backend runs, with its whole node script.

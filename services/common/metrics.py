@@ -3,7 +3,7 @@
 Each service declares its own metrics next to its code (e.g.
 `services/scheduler/metrics.py`); what every service shares is here: the
 setting, the HTTP endpoint, and the RPC latency histogram the gRPC edge feeds.
-Names start with `mj_`; the README lists them.
+Names start with `mj_`; docs/guide.md lists them.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from services.common.auth import reload_all
 from services.common.channels import MAX_MESSAGE_BYTES
-from services.common.edge import EdgeInterceptor, ServerSecurity
+from services.common.security.auth import reload_all
+from services.common.security.edge import EdgeInterceptor, ServerSecurity
 from services.common.settings import SettingError
 
 log = logging.getLogger(__name__)

@@ -175,7 +175,7 @@ def _auth_mode(text: str) -> str:
     return mode
 
 
-# Security of a server (contract §14): see services/common/edge.py and tls.py.
+# Security of a server (contract §14): see services/common/security/edge.py and tls.py.
 AUTH = Setting(
     "auth",
     "MJ_AUTH",

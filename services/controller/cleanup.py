@@ -7,9 +7,9 @@ is never interrupted by a cancel: it is already ending the job. It
 
 - gives back the launch slot;
 - after a cancel, moves every task in flight to CANCELLING;
-- tears down every cluster of the job that may exist (the attempt's logs are
-  copied off first, with a grace period after a cancel so code can checkpoint),
-  skipping clusters already verified gone;
+- tears down every cluster of the job that may exist (`Teardown`, teardown.py:
+  the attempt's logs are copied off first, with a grace period after a cancel
+  so code can checkpoint), skipping clusters already verified gone;
 - leaves every task in exactly one terminal status: CANCELLED for a cancel
   and for tasks that never ran, FAILED_CONTROLLER with the reason for a cluster
   that could not be torn down or a main path that failed.
@@ -26,9 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from services.common.event_messages import CANCEL_REQUESTED, CLEANUP_FAILED
 from services.common.statuses import ACTIVE, JobStatus
-from services.controller.lifecycle import CleanupFailed, JobLifecycle, TaskState
+from services.controller.lifecycle import JobLifecycle
 from services.controller.link import MovedAway, Refused
+from services.controller.tasks import TaskState
+from services.controller.teardown import CleanupFailed
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -55,14 +58,14 @@ class CancelRequest:
         return self._requested
 
 
-async def _report(lifecycle: JobLifecycle, state: TaskState, status: JobStatus, why: str) -> str:
+async def _report(state: TaskState, status: JobStatus, why: str) -> str:
     """A cleanup transition; a refusal is noted, not fatal (the cleanup goes on)."""
     try:
-        await lifecycle.transition(
-            state, status, why, failure_reason=why if status == S.FAILED_CONTROLLER else ""
+        await state.transition(
+            status, why, failure_reason=why if status == S.FAILED_CONTROLLER else ""
         )
     except Refused as refused:
-        lifecycle.host.note(f"task {state.task_id}: the scheduler refused {status.name}: {refused}")
+        state.host.note(f"task {state.task_id}: the scheduler refused {status.name}: {refused}")
         return f"the scheduler refused a report: {refused}"
     return ""
 
@@ -82,37 +85,35 @@ async def cleanup(lifecycle: JobLifecycle, cancelled: bool, error: str = "") -> 
     if cancelled:
         for state in lifecycle.tasks:
             if state.status in ACTIVE - {S.CANCELLING}:
-                problems.append(await _report(lifecycle, state, S.CANCELLING, "cancel requested"))
+                problems.append(await _report(state, S.CANCELLING, CANCEL_REQUESTED))
     failures: dict[int, str] = {}
     for state in lifecycle.tasks:
         if state.status == S.PENDING or not state.task.spec.run:
             continue  # never launched: no cluster can exist
         if state.gone:
             continue
-        handle = lifecycle._last_handle(state)
+        handle = state.last_cluster(lifecycle.backend)
         # After a cancel, running code gets SIGTERM and its grace period to checkpoint.
-        grace = lifecycle.grace(state) if cancelled else 0.0
+        grace = lifecycle.limits.grace(state) if cancelled else 0.0
         try:
-            await lifecycle._teardown(state, handle, grace)
+            await lifecycle.teardown.remove(state, handle, grace)
         except CleanupFailed as failed:
-            failures[state.task_id] = f"cleanup failed: {failed}"
+            failures[state.task_id] = f"{CLEANUP_FAILED}: {failed}"
             continue
         host.note(f"task {state.task_id}: {handle.cluster_name} is gone")
     for state in lifecycle.tasks:
         failure = failures.get(state.task_id)
         if failure:
             if state.status != S.FAILED_CONTROLLER:
-                problems.append(await _report(lifecycle, state, S.FAILED_CONTROLLER, failure))
+                problems.append(await _report(state, S.FAILED_CONTROLLER, failure))
         elif state.status == S.CANCELLING:
-            problems.append(
-                await _report(lifecycle, state, S.CANCELLED, "cancelled; its cluster is gone")
-            )
+            problems.append(await _report(state, S.CANCELLED, "cancelled; its cluster is gone"))
         elif state.status == S.PENDING:
             why = "cancelled" if cancelled else "not run: an earlier task did not succeed"
-            problems.append(await _report(lifecycle, state, S.CANCELLED, why))
+            problems.append(await _report(state, S.CANCELLED, why))
         elif state.status in ACTIVE:
             reason = error or "the lifecycle stopped before the task finished"
-            problems.append(await _report(lifecycle, state, S.FAILED_CONTROLLER, reason))
+            problems.append(await _report(state, S.FAILED_CONTROLLER, reason))
     return "; ".join(p for p in [error, *problems] if p)
 
 
@@ -160,7 +161,7 @@ async def run_job(lifecycle: JobLifecycle, cancel: CancelRequest) -> str:
         raise
     except Exception as failure:
         log.error("cleanup failed", exc_info=failure, extra={"job_id": lifecycle.job.job_id})
-        reason = f"cleanup failed: controller error: {failure!r}"
+        reason = f"{CLEANUP_FAILED}: controller error: {failure!r}"
         lifecycle.host.note(reason)
         return "; ".join(p for p in [error, reason] if p)
 

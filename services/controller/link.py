@@ -1,10 +1,15 @@
 """The replica's one stream to the scheduler: its lease (contract §9).
 
 `Link.run` keeps the stream up: it connects with exponential backoff, says
-hello first (capacity and the jobs this replica still runs), sends heartbeats,
-and hands every message from the scheduler to the replica. Requests that need
-an answer go through `call`, which waits for the matching ack; requests not yet
-acked when a stream breaks are sent again, in order, on the next one. While the
+hello first (capacity and the jobs this replica still runs), sends heartbeats
+(the first at once), and hands every message from the scheduler to the replica.
+Requests that need an answer go through `call`, which waits for the matching
+ack; requests not yet acked when a stream breaks are sent again, in order and
+with their numbers, on the next one (`services/common/sequence.py`). Messages
+from the scheduler are numbered per stream: one received twice is dropped, and
+one past the next means a message went missing: the stream is given up for a
+fresh one (the scheduler takes back the jobs of a stream a replica closes, and
+reconciles the new hello with the database). While the
 stream is down for longer than the lease, `on_lease_lost` fires: the scheduler
 has given this replica's jobs away and the replica must stop acting for them.
 
@@ -12,13 +17,17 @@ The lease as this replica sees it never outlives the scheduler's: it is renewed
 from the time a heartbeat was *sent* (when its ack comes back), not from when
 an answer arrived, and ends a margin before the TTL. The scheduler renews on
 receipt, which is later; so acks buffered through a stall (SIGSTOP, a long
-pause) cannot make a stale replica believe it still holds its jobs. A backend
-call that changes anything also needs the stream to be up (`wait_lease`).
+pause) cannot make a stale replica believe it still holds its jobs. On a new
+stream the lease counts only once a heartbeat sent on it is acknowledged: the
+scheduler may have released this replica's jobs when the last stream closed,
+and it sends the revokes for them before that first answer. A backend call
+that changes anything also needs the stream to be up (`wait_lease`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -31,6 +40,8 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
 from services.common.batches import Batches
 from services.common.channels import ClientSecurity, open_channel
+from services.common.sequence import InOrder, OutOfSequence
+from services.controller import metrics
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +94,7 @@ class Link:
         reconnect_max_wait: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        reconnect_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.address = address
         self._hello = hello
@@ -92,12 +104,18 @@ class Link:
         self._metadata = metadata
         self._reconnect_max_wait = reconnect_max_wait
         self._clock = clock
-        # Between reconnect attempts (tests make it short).
         self._sleep = sleep
+        # Between attempts to reach the scheduler (tests make it short).
+        self._reconnect_sleep = reconnect_sleep
+        # The number last given to a request (each gets one when first put on a stream).
         self._seq = 0
+        # Requests posted and not yet answered, in the order posted; and their answers
+        # to come, by number once they have one.
+        self._posts = itertools.count()
         self._unacked: dict[
             int, tuple[pb.ConnectControllerRequest, asyncio.Future[pb.ReportAck]]
         ] = {}
+        self._answers: dict[int, asyncio.Future[pb.ReportAck]] = {}
         self._outbox: asyncio.Queue[pb.ConnectControllerRequest | None] = asyncio.Queue()
         # Requests put on this stream's outbox and written to it; `_wrote` is set (and
         # replaced) after each write and when the stream ends.
@@ -108,9 +126,11 @@ class Link:
         self.lease_ttl = 10.0
         self.heartbeat_interval = 2.0
         self.last_renewal = 0.0
-        # Set (and replaced) at each renewal; the welcomed streams are counted.
+        # Set (and replaced) at each renewal and when the stream ends; the welcomed
+        # streams are counted, and the one a heartbeat's answer last renewed the lease on.
         self._renewal = asyncio.Event()
         self._streams = 0
+        self._renewed_on = 0
         self._sent_at: dict[int, float] = {}
         self._lease_timer: asyncio.Task[None] | None = None
 
@@ -131,48 +151,50 @@ class Link:
         The scheduler renews a lease when a message arrives; this view is renewed
         from when the acknowledged heartbeat was sent, and ends a margin early, so
         it runs out before the scheduler's. A pause (SIGSTOP) past the TTL shows
-        here at once, before any further backend call.
+        here at once, before any further backend call. A new stream counts once a
+        heartbeat sent on it is acknowledged.
         """
-        return self.connected.is_set() and self.lease_left() > 0
+        return (
+            self.connected.is_set() and self._renewed_on == self._streams and self.lease_left() > 0
+        )
 
     async def wait_lease(self) -> bool:
         """Waits for a lease the scheduler surely still counts; True once there is one.
 
-        While the stream is down: at most as long as the lease lasts. While it is up
-        but its last acknowledged heartbeat is too old (answers slowed by load): for
-        the next acknowledgement on this same stream, at most one TTL. The scheduler
-        keeps the lease until the stream falls silent, and ends the stream when it
-        gives the jobs away; a late answer is no reason to drop them. An answer on a
-        new stream does not count: that stream's revokes may still be on their way.
+        While the stream is down: for it to come back, at most as long as the lease
+        view lasts. While it is up without a fresh answer (answers slowed by load, or
+        a new stream whose first heartbeat is not answered yet): for the next answer,
+        at most one TTL. The scheduler keeps the lease until the stream falls silent,
+        and ends the stream when it gives the jobs away; a late answer is no reason
+        to drop them. On a new stream, the scheduler's revokes for the jobs this
+        replica lost come before the first answer: a call for such a job is stopped
+        with its runner before it can go ahead.
         """
-        left = self.lease_left()
-        if left <= 0:
-            return await self._renewed_on_this_stream()
+        if self.lease_valid():
+            return True
         if not self.connected.is_set():
+            left = self.lease_left()
+            if left <= 0:
+                return False
             try:
                 await asyncio.wait_for(self.connected.wait(), left)
             except TimeoutError:
                 return False
-        return self.lease_valid()
+        return await self._next_renewal()
 
-    async def _renewed_on_this_stream(self) -> bool:
+    async def _next_renewal(self) -> bool:
         loop = asyncio.get_running_loop()
         end = loop.time() + self.lease_ttl
-        stream = self._streams
-        while self.connected.is_set() and stream == self._streams:
+        while self.connected.is_set():
+            if self.lease_valid():
+                return True
             try:
                 await asyncio.wait_for(self._renewal.wait(), max(0.0, end - loop.time()))
             except TimeoutError:
                 return False
-            if stream == self._streams and self.lease_valid():
-                return True
         return False
 
     # --- sending ---------------------------------------------------------------------------
-
-    def _envelope(self, **message: Any) -> pb.ConnectControllerRequest:
-        self._seq += 1
-        return pb.ConnectControllerRequest(seq=self._seq, **message)
 
     async def call(self, **message: Any) -> pb.ReportAck:
         """Sends a request and waits for its ack, across reconnects.
@@ -188,16 +210,18 @@ class Link:
         Awaiting the answer raises like `call`; a caller may send more before awaiting
         it, keeping the order of its reports while not waiting a round trip for each.
         """
-        request = self._envelope(**message)
+        request = pb.ConnectControllerRequest(**message)
         loop = asyncio.get_running_loop()
         acked: asyncio.Future[pb.ReportAck] = loop.create_future()
-        self._unacked[request.seq] = (request, acked)
+        key = next(self._posts)
+        self._unacked[key] = (request, acked)
         if self.connected.is_set():
-            self._queue(request)
+            self._queue(request, acked)
         answer: asyncio.Future[pb.ReportAck] = loop.create_future()
 
         def settle(done: asyncio.Future[pb.ReportAck]) -> None:
-            self._unacked.pop(request.seq, None)
+            self._unacked.pop(key, None)
+            self._answers.pop(request.seq, None)
             if answer.done():
                 return
             if done.cancelled():
@@ -213,8 +237,8 @@ class Link:
 
         def forget(done: asyncio.Future[pb.ReportAck]) -> None:
             # Whoever posted stopped waiting (the job was stopped): stop resending it too.
+            # One never put on a stream has no number yet, so the numbers stay unbroken.
             if done.cancelled() and not acked.done():
-                self._unacked.pop(request.seq, None)
                 acked.cancel()
 
         acked.add_done_callback(settle)
@@ -224,9 +248,23 @@ class Link:
     def notify(self, **message: Any) -> None:
         """Sends without waiting for an answer (dropped while disconnected)."""
         if self.connected.is_set():
-            self._queue(self._envelope(**message))
+            self._queue(pb.ConnectControllerRequest(**message))
 
-    def _queue(self, request: pb.ConnectControllerRequest) -> None:
+    def _numbered(self, request: pb.ConnectControllerRequest) -> pb.ConnectControllerRequest:
+        self._seq += 1
+        request.seq = self._seq
+        return request
+
+    def _queue(
+        self,
+        request: pb.ConnectControllerRequest,
+        answer: asyncio.Future[pb.ReportAck] | None = None,
+    ) -> None:
+        """Puts a request on the stream; numbered the first time (a resend keeps its number)."""
+        if not request.seq:
+            self._numbered(request)
+            if answer is not None:
+                self._answers[request.seq] = answer
         self._outbox.put_nowait(request)
         self._queued += 1
 
@@ -252,7 +290,7 @@ class Link:
         """
         while True:
             async for attempt in AsyncRetrying(
-                sleep=self._sleep,
+                sleep=self._reconnect_sleep,
                 wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
                 retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
                 before_sleep=lambda state: log.warning(
@@ -272,22 +310,30 @@ class Link:
             stub = scheduler_service_pb2_grpc.SchedulerServiceStub(channel)
             self._outbox = asyncio.Queue()
             self._queued = self._written = 0
-            hello = self._envelope(hello=self._hello())
+            hello = self._numbered(pb.ConnectControllerRequest(hello=self._hello()))
             self._sent_at = {}
             call = stub.ConnectController(self._requests(hello), metadata=self._metadata)
             heartbeats: asyncio.Task[None] | None = None
+            order = InOrder()
             try:
                 async for response in call:
-                    kind = response.WhichOneof("message")
-                    if kind == "welcome":
-                        self._welcomed(response.welcome, self._sent_at.pop(hello.seq, 0.0))
-                        heartbeats = asyncio.create_task(self._heartbeats())
-                        continue
                     for message in unbatched(response):
-                        if message.WhichOneof("message") == "ack":
+                        if not order.check(message.seq):
+                            metrics.replayed_message()
+                            continue  # received before on this stream, and handled
+                        kind = message.WhichOneof("message")
+                        if kind == "welcome":
+                            self._welcomed(message.welcome)
+                            heartbeats = asyncio.create_task(self._heartbeats())
+                        elif kind == "ack":
                             self._acked(message.ack)
                         else:
                             await self._on_message(message)
+            except OutOfSequence as gap:
+                # A message went missing: a fresh stream, whose hello the scheduler
+                # reconciles with the database, puts this replica back in step.
+                metrics.resync()
+                raise StreamBroken(f"out of sequence ({gap}); reconnecting to resync") from None
             except grpc.aio.AioRpcError:
                 if heartbeats is None:
                     raise
@@ -296,6 +342,7 @@ class Link:
                 self.connected.clear()
                 self._outbox.put_nowait(None)
                 self._wake_writers()
+                self._wake_renewal_waiters()
                 if heartbeats is not None:
                     heartbeats.cancel()
                 self._arm_lease_timer()
@@ -306,7 +353,6 @@ class Link:
     async def _requests(
         self, hello: pb.ConnectControllerRequest
     ) -> AsyncIterator[pb.ConnectControllerRequest]:
-        self._sent_at[hello.seq] = self._clock()
         yield hello
         # Whatever queued while the last message was being written goes as one.
         batches = Batches(self._outbox)
@@ -323,22 +369,27 @@ class Link:
             self._written += len(batch)
             self._wake_writers()
 
-    def _welcomed(self, welcome: pb.ControllerWelcome, hello_sent: float) -> None:
+    def _welcomed(self, welcome: pb.ControllerWelcome) -> None:
         self.lease_ttl = welcome.lease_ttl_seconds or self.lease_ttl
         self.heartbeat_interval = welcome.heartbeat_interval_seconds or self.heartbeat_interval
+        # The lease counts on this stream once a heartbeat sent on it is answered.
         self._streams += 1
-        self._renewed(hello_sent or self._clock())
         if self._lease_timer is not None:
             self._lease_timer.cancel()
             self._lease_timer = None
         self.connected.set()
-        # Everything not acked on the last stream goes again, in order.
-        for seq in sorted(self._unacked):
-            self._queue(self._unacked[seq][0])
+        # Everything not acked on the last stream goes again, in order (with its number).
+        for request, answer in list(self._unacked.values()):
+            self._queue(request, answer)
         log.info("connected to the scheduler", extra={"address": self.address})
 
     def _renewed(self, sent_at: float) -> None:
+        """A heartbeat sent at `sent_at` on the current stream was answered."""
         self.last_renewal = max(self.last_renewal, sent_at)
+        self._renewed_on = self._streams
+        self._wake_renewal_waiters()
+
+    def _wake_renewal_waiters(self) -> None:
         self._renewal.set()
         self._renewal = asyncio.Event()
 
@@ -346,21 +397,22 @@ class Link:
         sent_at = self._sent_at.pop(ack.ack_seq, None)
         if sent_at is not None:
             self._renewed(sent_at)
-        entry = self._unacked.get(ack.ack_seq)
-        if entry is not None and not entry[1].done():
-            entry[1].set_result(ack)
+        answer = self._answers.get(ack.ack_seq)
+        if answer is not None and not answer.done():
+            answer.set_result(ack)
 
     async def _heartbeats(self) -> None:
+        # The first goes at once: a new stream's lease counts from its answer.
         while True:
-            await asyncio.sleep(self.heartbeat_interval)
             self.notify(heartbeat=pb.ControllerHeartbeat())
+            await self._sleep(self.heartbeat_interval)
 
     def _arm_lease_timer(self) -> None:
         if self._lease_timer is None or self._lease_timer.done():
             self._lease_timer = asyncio.create_task(self._lease_countdown())
 
     async def _lease_countdown(self) -> None:
-        await asyncio.sleep(max(0.0, self.last_renewal + self.lease_ttl - self._clock()))
+        await self._sleep(max(0.0, self.last_renewal + self.lease_ttl - self._clock()))
         if not self.connected.is_set():
             log.warning("lease lost; stopping every job", extra={"address": self.address})
             await self._on_lease_lost()

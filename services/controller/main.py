@@ -22,13 +22,13 @@ from pathlib import Path
 
 from managedjobs.v1 import controller_service_pb2_grpc
 from services.backends import backend_settings, make_backend
-from services.common import logs, settings
+from services.common import logs, settings, test_switches
 from services.common.channels import ClientSecurity
-from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
+from services.common.security.edge import ServerSecurity, server_security
+from services.common.security.tls import TlsConfigError
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting, SettingError
-from services.common.tls import TlsConfigError
 from services.controller.capacity import DEFAULT_MEMORY_PER_JOB_KB, replica_capacity
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
@@ -191,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-controller", __doc__ or "", SETTINGS, argv)
     args.data_dir = str(Path(args.data_dir).resolve())
     logs.setup("controller", args.log_level)
+    test_switches.load("mj-controller")
     security = server_security("mj-controller", vars(args))
     try:
         client = ClientSecurity.from_settings(vars(args))

@@ -29,6 +29,14 @@ from services.common.metrics import child
 
 BACKEND_CALLS = Counter("mj_backend_calls_total", "Calls a replica made to its backend", ["call"])
 TRANSITIONS = Counter("mj_task_transitions_total", "Task statuses reported, by status", ["status"])
+REPLAYED = Counter(
+    "mj_replica_replayed_messages_total",
+    "Messages from the scheduler received a second time on a stream, and dropped",
+)
+RESYNCS = Counter(
+    "mj_replica_resyncs_total",
+    "Streams given up for a fresh one because a message from the scheduler went missing",
+)
 
 
 class MeteredBackend(BackendWrapper):
@@ -121,3 +129,11 @@ def watch_replica(read: Callable[[], dict[str, float]]) -> None:
 
 def transition(status: Any) -> None:
     child(TRANSITIONS, getattr(status, "name", str(status))).inc()
+
+
+def replayed_message() -> None:
+    REPLAYED.inc()
+
+
+def resync() -> None:
+    RESYNCS.inc()

@@ -31,15 +31,17 @@ from services.backends import Backend, ClusterHandle
 from services.common.channels import ClientSecurity
 from services.common.errors import rpc_errors
 from services.common.statuses import JobStatus
+from services.common.test_switches import CANCEL_ON_ASSIGNMENT, disabled
 from services.controller import metrics
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
+from services.controller.host import Watcher
 from services.controller.joblog import LogsClient
-from services.controller.lifecycle import JobLifecycle, News, Watcher
+from services.controller.lifecycle import JobLifecycle
 from services.controller.link import LeaseLost, Link, MovedAway, Rejected
 from services.controller.metrics import MeteredBackend
-from services.controller.watch import ClusterWatch
+from services.controller.watch import ClusterWatch, News
 
 log = logging.getLogger(__name__)
 
@@ -248,7 +250,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             self.on_message,
             self.on_lease_lost,
             security,
-            sleep=reconnect_sleep,
+            reconnect_sleep=reconnect_sleep,
         )
         self.metered = MeteredBackend(backend)
         self.backend: Backend = LeaseGuard(
@@ -322,7 +324,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             if current.epoch >= assignment.epoch:
                 return
             current.stop()
-        if self._early_cancels.get(job.job_id) == assignment.epoch:
+        if disabled(CANCEL_ON_ASSIGNMENT):
+            job.cancel_requested = False
+        elif self._early_cancels.get(job.job_id) == assignment.epoch:
             del self._early_cancels[job.job_id]
             job.cancel_requested = True
         runner = JobRunner(

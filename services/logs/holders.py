@@ -32,9 +32,9 @@ import time
 from collections.abc import Callable, Iterable
 
 from managedjobs.v1 import job_pb2
-from services.common.access import require_controller
-from services.common.auth import Principal, Role
 from services.common.errors import ApiError, NotFound, PermissionDenied, Unavailable
+from services.common.security.access import require_controller
+from services.common.security.auth import Principal, Role
 from services.logs.directory import JobDirectory
 
 

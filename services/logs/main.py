@@ -17,8 +17,9 @@ from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import backend_settings, make_backend
 from services.common import logs
 from services.common.channels import ClientSecurity
-from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
+from services.common.security.edge import ServerSecurity, server_security
+from services.common.security.tls import TlsConfigError
 from services.common.server import Server, run_until_signal
 from services.common.settings import (
     BACKEND,
@@ -33,7 +34,6 @@ from services.common.settings import (
     SettingError,
     parse,
 )
-from services.common.tls import TlsConfigError
 from services.logs.directory import JobDirectory
 from services.logs.holders import Holders
 from services.logs.service import LogServicer

@@ -36,7 +36,6 @@ import grpc
 
 from managedjobs.v1 import job_pb2, log_service_pb2, log_service_pb2_grpc
 from services.backends.base import Backend, BackendUnreachableError, ClusterHandle, cluster_name
-from services.common.access import current_principal, require_owner
 from services.common.bounds import (
     MAX_FETCH_BATCH,
     MAX_HANDLE_BYTES,
@@ -58,6 +57,7 @@ from services.common.errors import (
     each_alone,
     rpc_errors,
 )
+from services.common.security.access import current_principal, require_owner
 from services.logs.controller_logs import follow_controller_log, read_controller_log
 from services.logs.directory import JobDirectory
 from services.logs.holders import Holders

@@ -26,16 +26,15 @@ from collections.abc import Callable, Sequence
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.event_messages import ADMITTED_ON, RESUMED_ON
 from services.common.statuses import ALIVE_STATES, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.counters import Counters
 from services.scheduler.outbox import Outbox, TooLarge
 from services.scheduler.reports import finish
 from services.scheduler.store import (
-    ADMITTED_ON,
     ALIVE_WAITING_ON,
     ORPHANS,
-    RESUMED_ON,
     Move,
     Store,
     Txn,
@@ -299,12 +298,15 @@ class Admission:
                 continue
             room.take(cid, launch=True, job=False)
             granted.setdefault(cid, []).append(int(row.id))
+        first_event = len(txn.events)
         for cid, ids in granted.items():
             moves, _ = move_many(
                 txn, ids, St.ALIVE_WAITING, St.LAUNCHING, controller_id=cid,
                 message="launch slot granted",
             )  # fmt: skip
             txn.after.append(functools.partial(self._grants, cid, moves))
+        # One statement per replica; the event log lists the grants in queue order.
+        txn.order_events(first_event, [row.id for row in rows])
         # Another page only if this one was full and room is left for its skipped rows.
         return len(rows) == limit and room.launches > 0 and bool(room.with_launch_room())
 

@@ -25,7 +25,6 @@ from google.protobuf.message import Message
 
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as pb
-from services.common.access import current_principal, require_owner, require_user
 from services.common.bounds import MAX_INT64, BoundsError, check_pool, check_user, quote
 from services.common.errors import (
     InvalidArgument,
@@ -34,14 +33,15 @@ from services.common.errors import (
     ResourceExhausted,
     rpc_errors,
 )
+from services.common.security.access import current_principal, require_owner, require_user
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.admission import Admission
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.events import EventBus, WatcherOverflow
 from services.scheduler.intake import Intake
 from services.scheduler.ownership import OwnedJobs
-from services.scheduler.spec import SpecError
-from services.scheduler.spec_cache import SpecCache
+from services.scheduler.spec.cache import SpecCache
+from services.scheduler.spec.parse import SpecError
 from services.scheduler.store import NewJob, Store
 
 DEFAULT_PAGE_SIZE = 100

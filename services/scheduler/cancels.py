@@ -2,7 +2,8 @@
 
 A cancel is state, not a message. `cancel` marks every target in one
 transaction with conditional UPDATEs, whatever their number:
-- a job no replica took yet (INACTIVE, WAITING) is CANCELLED and DONE at once;
+- a job no replica took yet (INACTIVE, WAITING) is CANCELLED and DONE at once,
+  each of its tasks CANCELLED with an event of its own;
 - any other unfinished job gets `cancel_requested`, and its current holder
   (read from the same UPDATE's RETURNING, after the row lock, so it cannot miss
   an assignment that committed first) is sent a `JobCancel`.
@@ -21,17 +22,16 @@ from collections.abc import Sequence
 
 from sqlalchemy import ColumnElement, and_, select, true, update
 
+from services.common.event_messages import CANCEL_REQUESTED, CANCELLED_BEFORE_START
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
-from services.scheduler.id_lists import in_ids
-from services.scheduler.models import JOBS, JobRow
+from services.scheduler.db.id_lists import in_ids
+from services.scheduler.db.models import JOBS, JobRow
 from services.scheduler.outbox import Outbox
-from services.scheduler.store import Move, Store, Txn, set_task_statuses
+from services.scheduler.store import Store, Txn, end_unstarted
 
 S = JobStatus
 St = ScheduleState
-CANCEL_REQUESTED = "cancel requested"
-CANCELLED_BEFORE_START = "cancelled before start"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,15 +77,11 @@ class Cancels:
                 wait_reason="",
                 cancel_requested=True,
             )
-            .returning(JobRow.id, JobRow.schedule_state, JobRow.current_task),
+            .returning(JobRow.id),
         ).all()
-        # The schedule state returned is the new one (DONE); every row came from
-        # INACTIVE or WAITING, and only WAITING is counted.
+        # Every row came from INACTIVE or WAITING, and only WAITING is counted.
         ids = [int(r[0]) for r in rows]
-        set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
-        for job_id, _, task in rows:
-            txn.event(job_id, task, S.CANCELLED, St.DONE, CANCELLED_BEFORE_START)
-            txn.moves.append(Move(int(job_id), None, None, 0, St.WAITING, St.DONE))
+        end_unstarted(txn, ids, S.CANCELLED, CANCELLED_BEFORE_START)
         cancelled = list(ids)
         newly = conn.execute(
             update(JobRow)

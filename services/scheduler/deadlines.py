@@ -5,9 +5,9 @@ While it is WAITING, the scheduler owns it, so the scheduler enforces it: one
 task sleeps until the earliest deadline among WAITING jobs (woken early when a
 submission may bring an earlier one), then ends every WAITING job past its
 deadline in one transaction: its first task FAILED_NO_RESOURCE with the reason
-it was waiting, the rest CANCELLED, the job DONE. Nothing polls. A job admitted
-to a replica is past this module: its lifecycle stops launching at the same
-deadline.
+it was waiting, the rest CANCELLED, each task with an event, the job DONE.
+Nothing polls. A job admitted to a replica is past this module: its lifecycle
+stops launching at the same deadline.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 from sqlalchemy import func, select, update
 
+from services.common.event_messages import MAX_PENDING_EXCEEDED
 from services.common.statuses import JobStatus, ScheduleState
-from services.scheduler.models import JobRow
-from services.scheduler.store import Move, Store, Txn, set_task_statuses
+from services.scheduler.db.models import JobRow
+from services.scheduler.store import Store, Txn, end_unstarted
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -87,7 +88,7 @@ class PendingDeadlines:
 
 
 def _expire(txn: Txn, why: str) -> list[int]:
-    reason = f"max_pending exceeded while {why}"
+    reason = f"{MAX_PENDING_EXCEEDED} while {why}"
     rows = txn.conn.execute(
         update(JobRow)
         .where(JobRow.schedule_state == St.WAITING, JobRow.pending_deadline <= txn.now)
@@ -104,12 +105,5 @@ def _expire(txn: Txn, why: str) -> list[int]:
     if not ids:
         return []
     # The first task could not start; later tasks never will.
-    set_task_statuses(
-        txn, ids, [S.PENDING], S.FAILED_NO_RESOURCE, task_id=0, end_time=txn.now,
-        failure_reason=reason,
-    )  # fmt: skip
-    set_task_statuses(txn, ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
-    for job_id in ids:
-        txn.event(job_id, 0, S.FAILED_NO_RESOURCE, St.DONE, reason)
-        txn.moves.append(Move(job_id, None, None, 0, St.WAITING, St.DONE))
+    end_unstarted(txn, ids, S.FAILED_NO_RESOURCE, reason, failure_reason=reason)
     return ids

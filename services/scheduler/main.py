@@ -16,14 +16,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
-from services.common import logs, settings
-from services.common.edge import ServerSecurity, server_security
+from services.common import logs, settings, test_switches
 from services.common.errors import register_translator
 from services.common.metrics import METRICS_PORT, serve_metrics
+from services.common.security.edge import ServerSecurity, server_security
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
 from services.scheduler import metrics
@@ -143,6 +144,7 @@ class SchedulerApp:
         db_writers: int = 1,
         sqlite_synchronous: str = "full",
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.db = Database.open(
             database_url, writers=db_writers, sqlite_synchronous=sqlite_synchronous
@@ -166,11 +168,14 @@ class SchedulerApp:
             self.health,
             lease_ttl=lease_ttl,
             heartbeat_interval=heartbeat_interval,
+            clock=clock,
+            sleep=sleep,
         )
         self.reconcile_interval = reconcile_interval
         self._sleep = sleep
         self._reconcile_now = asyncio.Event()
         self._reconciler: asyncio.Task[None] | None = None
+        self._closed = False
         self.server = Server(host, port, security=security)
         self.job_api = JobApi(
             self.store,
@@ -194,6 +199,7 @@ class SchedulerApp:
         self.counters.apply(moves)
         metrics.moved(moves)
         self.admission.moved(moves)
+        self.replicas.moved(moves)
 
     def reconcile_soon(self) -> None:
         self._reconcile_now.set()
@@ -250,12 +256,16 @@ class SchedulerApp:
         return await self.server.start()
 
     async def close(self, grace: float = 0.0) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self._reconciler is not None:
             self._reconciler.cancel()
             await asyncio.gather(self._reconciler, return_exceptions=True)
         await self.health.stop()
-        await self.server.stop(grace)
+        # The replicas' streams end first, as the scheduler's doing: they keep their jobs.
         await self.replicas.close()
+        await self.server.stop(grace)
         await self.deadlines.stop()
         await self.admission.stop()
         if self.store.analyzing is not None:
@@ -290,7 +300,9 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
     try:
         port = await app.start()
         log.info("scheduler serving", extra={"port": port, "database": app.db.url.split("@")[-1]})
-        await run_until_signal(app.server, a.shutdown_grace)
+        # The replicas' streams end before the server stops: as the scheduler's doing,
+        # which ends no lease (the replicas keep their jobs for the next scheduler).
+        await run_until_signal(app.server, a.shutdown_grace, drain=app.replicas.close)
     finally:
         await app.close()
 
@@ -298,6 +310,7 @@ async def serve(a: argparse.Namespace, security: ServerSecurity) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     args = settings.parse("mj-scheduler", __doc__ or "", SETTINGS, argv)
     logs.setup("scheduler", args.log_level)
+    test_switches.load("mj-scheduler")
     security = server_security("mj-scheduler", vars(args))
     asyncio.run(serve(args, security))
 

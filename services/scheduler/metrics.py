@@ -47,6 +47,19 @@ CORRECTIONS = Counter(
     "mj_counter_corrections_total", "Admission counter differences found by a recount, and fixed"
 )
 LEASES_EXPIRED = Counter("mj_leases_expired_total", "Replica leases that ran out")
+STREAMS_LOST = Counter(
+    "mj_replica_streams_lost_total",
+    "Replica streams the replica's side closed, their jobs released at once",
+)
+OUT_OF_SEQUENCE = Counter(
+    "mj_replica_streams_out_of_sequence_total",
+    "Replica streams ended because a request's number was not the next one",
+)
+REPLAYED = Counter(
+    "mj_reports_replayed_total",
+    "Reports received again after they were applied: acknowledged, not applied twice",
+    ["kind"],
+)
 HELLOS_REFUSED = Counter(
     "mj_hellos_refused_total",
     "Replica hellos refused (wrong controller id, second stream)",
@@ -134,6 +147,18 @@ def corrected(count: int) -> None:
 
 def lease_expired() -> None:
     LEASES_EXPIRED.inc()
+
+
+def stream_lost() -> None:
+    STREAMS_LOST.inc()
+
+
+def stream_out_of_sequence() -> None:
+    OUT_OF_SEQUENCE.inc()
+
+
+def replayed(kind: str) -> None:
+    child(REPLAYED, kind).inc()
 
 
 def hello_refused(reason: str) -> None:

@@ -1,9 +1,11 @@
 """Messages to replicas: one typed door (assign, grant, cancel, revoke, ack).
 
 Each connected replica has one `Stream`: the queue its `ConnectController`
-response stream drains, in order. A message for a replica that is not connected
-is dropped: when it reconnects, its hello is reconciled with the database (the
-only truth), which re-sends what it must know.
+response stream drains, in order. Every message put on a stream takes the
+stream's next number (`seq`, from 1 for the welcome; `services/common/sequence.py`),
+so the replica notices a message gone missing or repeated. A message for a
+replica that is not connected is dropped: when it reconnects, its hello is
+reconciled with the database (the only truth), which re-sends what it must know.
 
 The outbox remembers which assignment (job, epoch) it sent on the current
 stream, so a periodic check can find a job the database assigns to a replica
@@ -30,9 +32,19 @@ class Stream:
     sent: dict[int, int] = dataclasses.field(default_factory=dict)
     # Why the scheduler ends the stream, when the replica broke the protocol.
     error: Exception | None = None
+    # The number of the last message put on the stream.
+    seq: int = 0
+    # Set when the replica's side ended the stream (it closed, or its connection did).
+    hung_up: bool = False
+
+    def numbered(self, message: Message) -> Message:
+        """The message with the stream's next number."""
+        self.seq += 1
+        message.seq = self.seq
+        return message
 
     def put(self, message: Message) -> None:
-        self.queue.put_nowait(message)
+        self.queue.put_nowait(self.numbered(message))
 
     def close(self, error: Exception | None = None) -> None:
         self.error = self.error or error

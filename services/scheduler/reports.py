@@ -11,8 +11,12 @@ jobs costs one commit. Each report is judged on its own inside the batch:
   that does not exist, a field out of range: an unknown status, a negative count,
   a time outside 1970-9999) is refused as INVALID (the replica ends the job
   FAILED_CONTROLLER rather than pretend it was moved away);
-- anything else is applied. Nothing is written for a refused report: every field
-  is checked (`checked`) before the first write.
+- a report about a job applied before (its number, `seq`, is not
+  above the job's `report_seq`: the replica sent it again on a new stream, its
+  ack lost with the old one) is acknowledged as a replay and not applied twice;
+- anything else is applied, and the job keeps its number in the same transaction.
+  Nothing is written for a refused report: every field is checked (`checked`)
+  before the first write.
 
 Texts a report carries (messages, reasons, a region) are made storable rather than
 refused (cut to their bounds, a NUL character replaced): a long message is no
@@ -40,6 +44,7 @@ from sqlalchemy import bindparam, select, update
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.bounds import MAX_TASKS, check_timestamp, quote
 from services.common.errors import bound
+from services.common.event_messages import HANDED_BACK, RELEASED
 from services.common.statuses import (
     FAILED_GROUP,
     TERMINAL,
@@ -48,10 +53,11 @@ from services.common.statuses import (
     ScheduleState,
     schedule_transition,
 )
+from services.common.test_switches import EPOCH_CHECK_AT_REPORT, disabled
 from services.scheduler import convert, metrics
-from services.scheduler.id_lists import ids_param, in_ids
-from services.scheduler.models import ATTEMPTS, JOBS, TASKS, JobRow
-from services.scheduler.rows import Tracked, values_of
+from services.scheduler.db.id_lists import ids_param, in_ids
+from services.scheduler.db.models import ATTEMPTS, JOBS, TASKS, JobRow
+from services.scheduler.db.rows import Tracked, values_of
 from services.scheduler.store import (
     IDS,
     Move,
@@ -59,6 +65,7 @@ from services.scheduler.store import (
     Store,
     Txn,
     chunked,
+    end_events,
     move_held,
     set_task_status,
     set_task_statuses,
@@ -94,6 +101,8 @@ UNFINISHED_TASKS = (
 ASSIGNMENT = select(JOBS.c.controller_id, JOBS.c.epoch, JOBS.c.schedule_state).where(
     JOBS.c.id == bindparam("job_id")
 )
+# The reports about one job, whose numbers the job keeps (a replay of one is not applied).
+NUMBERED = frozenset({"transition", "launch_slot_request", "launch_slot_release", "job_finished"})
 
 
 class Refusal(enum.IntEnum):
@@ -118,6 +127,7 @@ class Reports:
         self.store = store
         self.refused_stale = 0
         self.refused_invalid = 0
+        self.replayed = 0
 
     async def apply(
         self, controller_id: str, requests: Sequence[pb.ConnectControllerRequest]
@@ -133,13 +143,23 @@ class Reports:
         applied = Applied()
         _prefetch(txn, requests)
         for request in requests:
-            if request.WhichOneof("message") != "transition":
+            kind = request.WhichOneof("message") or "empty"
+            if kind != "transition":
                 # Its statements read or move rows earlier reports changed.
                 txn.write_back()
+            job = _numbered_job(txn, controller_id, request)
+            if job is not None and 0 < request.seq <= job.report_seq:
+                txn.after.append(functools.partial(self._counted, kind, Refusal.NONE, True))
+                reason = f"a replay: report {request.seq} of job {job.id} was applied before"
+                applied.acks.append(
+                    pb.ReportAck(ack_seq=request.seq, accepted=True, reason=reason, replay=True)
+                )
+                continue
             refusal, reason = self._one(txn, controller_id, request, applied)
             if refusal == Refusal.STALE:
                 applied.revokes.append(_job_of(request))
-            kind = request.WhichOneof("message") or "empty"
+            elif refusal == Refusal.NONE and job is not None:
+                job.report_seq = request.seq
             txn.after.append(functools.partial(self._counted, kind, refusal))
             applied.acks.append(
                 pb.ReportAck(
@@ -151,8 +171,11 @@ class Reports:
             )
         return applied
 
-    def _counted(self, kind: str, refusal: Refusal) -> None:
+    def _counted(self, kind: str, refusal: Refusal, replay: bool = False) -> None:
         """Counts a report once its batch committed (on the event loop)."""
+        if replay:
+            self.replayed += 1
+            metrics.replayed(kind)
         if refusal == Refusal.STALE:
             self.refused_stale += 1
         elif refusal == Refusal.INVALID:
@@ -164,6 +187,8 @@ class Reports:
     ) -> tuple[Refusal, str]:
         kind = request.WhichOneof("message")
         try:
+            if request.seq <= 0:
+                raise ValueError(f"seq: a report is numbered from 1, got {request.seq}")
             request = checked(request)
             if kind == "transition":
                 transition(txn, cid, request.transition)
@@ -191,7 +216,7 @@ class Reports:
                 finish(txn, cid, r3.job_id, r3.epoch, r3.failure_reason)
             elif kind == "job_handback":
                 pairs = [(h.job_id, h.epoch) for h in request.job_handback.jobs]
-                release(txn, cid, pairs=pairs, reason=f"handed back by {cid}")
+                release(txn, cid, pairs=pairs, reason=HANDED_BACK.format(cid))
             else:
                 return Refusal.INVALID, f"a {kind or 'empty'} message is not a report"
         except StaleReport as stale:
@@ -201,12 +226,17 @@ class Reports:
         return Refusal.NONE, ""
 
     async def release_replica(
-        self, controller_id: str, job_ids: Iterable[int] | None = None, reason: str = ""
+        self,
+        controller_id: str,
+        job_ids: Iterable[int] | None = None,
+        reason: str = "",
+        pairs: Sequence[tuple[int, int]] | None = None,
     ) -> list[Move]:
-        """Takes jobs (all, by default) away from a replica whose lease expired."""
+        """Takes jobs (all, by default; or these ids, or these (id, epoch) pairs) away from
+        a replica whose lease ended."""
 
         def body(txn: Txn) -> list[Move]:
-            release(txn, controller_id, job_ids=job_ids, reason=reason or "released")
+            release(txn, controller_id, job_ids=job_ids, pairs=pairs, reason=reason or RELEASED)
             return txn.moves
 
         return await self.store.transaction(body)
@@ -263,6 +293,8 @@ def _prefetch(txn: Txn, requests: Sequence[pb.ConnectControllerRequest]) -> None
                 attempt_keys.add((t.job_id, t.task_id, t.attempt))
         elif kind == "job_finished":
             finished_ids.add(request.job_finished.job_id)
+        elif kind in NUMBERED:
+            job_ids.add(_job_of(request)[0])
     job_ids |= finished_ids
     if not job_ids:
         return
@@ -358,7 +390,13 @@ def _current(txn: Txn, job_id: int, epoch: int, cid: str) -> ScheduleState:
     return St(row[2])
 
 
-def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
+def _held_job(txn: Txn, job_id: int, epoch: int, cid: str, applying: bool = False) -> Tracked:
+    """The job, if `cid` holds it at `epoch` (`applying` a report: whatever its epoch, under
+    the test-only switch that turns that check off).
+
+    Raises:
+        StaleReport: it does not.
+    """
     # Locked by `_prefetch` (FOR UPDATE on PostgreSQL) when the batch read it.
     loaded = _loaded(txn)
     if job_id in loaded.jobs:
@@ -366,9 +404,22 @@ def _held_job(txn: Txn, job_id: int, epoch: int, cid: str) -> Tracked:
     else:
         rows = values_of(txn.conn.execute(LOAD_JOBS, {"ids": [job_id]}))
         job = loaded.jobs[job_id] = txn.track(JOBS, rows[0]) if rows else None
-    if job is None or job.epoch != epoch or job.controller_id != cid:
+    unchecked = applying and disabled(EPOCH_CHECK_AT_REPORT)
+    if job is None or (not unchecked and (job.epoch != epoch or job.controller_id != cid)):
         raise StaleReport(f"job {job_id}: epoch {epoch} is not current")
     return job
+
+
+def _numbered_job(txn: Txn, cid: str, request: pb.ConnectControllerRequest) -> Tracked | None:
+    """The job a report is about and keeps the number of, when the replica holds it (a
+    report about a job it does not hold is refused as stale)."""
+    if request.WhichOneof("message") not in NUMBERED:
+        return None
+    job_id, epoch = _job_of(request)
+    try:
+        return _held_job(txn, job_id, epoch, cid)
+    except StaleReport:
+        return None
 
 
 def _task(txn: Txn, job_id: int, task_id: int) -> Tracked | None:
@@ -389,7 +440,7 @@ def transition(txn: Txn, cid: str, report: pb.TaskTransition) -> None:
         IllegalTransition, ValueError: the report breaks a rule.
     """
     new = S(report.status)
-    job = _held_job(txn, report.job_id, report.epoch, cid)
+    job = _held_job(txn, report.job_id, report.epoch, cid, applying=True)
     task = _task(txn, job.id, report.task_id)
     if task is None:
         raise ValueError(f"job {job.id} has no task {report.task_id}")
@@ -504,9 +555,10 @@ def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> Non
     terminal status", so it is closed here, along `TASK_TRANSITIONS`: a task being
     cancelled, and tasks after the current one, end CANCELLED; the current task
     and any other in flight end FAILED_CONTROLLER with the reason (with no reason,
-    a current task that never started ends CANCELLED too).
+    a current task that never started ends CANCELLED too). Each task closed here has
+    an event of its own (`end_events`).
     """
-    job = _held_job(txn, job_id, epoch, cid)
+    job = _held_job(txn, job_id, epoch, cid, applying=True)
     if job.schedule_state == St.DONE:
         return
     loaded = _loaded(txn)
@@ -515,6 +567,7 @@ def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> Non
     else:
         rows = values_of(txn.conn.execute(UNFINISHED_TASKS, {"ids": [job_id]}))
         unfinished = [loaded.task(row) for row in rows]
+    ended: list[tuple[int, int, JobStatus]] = []
     for task in sorted(unfinished, key=lambda t: t.task_id):
         if task.status in TERMINAL:
             continue  # finished earlier in this batch (the query saw the stored status)
@@ -527,12 +580,13 @@ def finish(txn: Txn, cid: str, job_id: int, epoch: int, reason: str = "") -> Non
             set_task_status(task, S.FAILED_CONTROLLER)
             task.failure_reason = reason or NO_FINAL_STATUS
         task.end_time = txn.now
+        ended.append((job_id, task.task_id, S(task.status)))
         _follow_current_task(txn, job, task)
     prior = St(job.schedule_state)
     job.schedule_state = schedule_transition(prior, St.DONE)
     job.end_time = txn.now
     job.wait_reason = ""
-    txn.event(job.id, job.current_task, S(job.status), St.DONE, "done", epoch)
+    end_events(txn, ended, [(job_id, job.current_task, S(job.status))], prior, "done", epoch)
     txn.moves.append(Move(job_id, cid, cid, epoch, prior, St.DONE))
 
 
@@ -588,7 +642,7 @@ def release(
         )
     for job_id, epoch, old, new, status, task in released:
         shown = S.RECOVERING if job_id in recovering and status == S.STARTING else status
-        txn.event(job_id, task, shown, new, reason)
+        txn.event(job_id, task, shown, new, reason, epoch)
         txn.moves.append(Move(job_id, cid, None, epoch, old, new))
 
 

@@ -17,8 +17,12 @@ Invariants kept here, whatever the caller does:
   is the answer. Never read-then-write.
 - A task status only changes along `TASK_TRANSITIONS` (`set_task_status`, or a
   conditional bulk UPDATE from `task_sources`).
-- Every change writes an event row in the same transaction. An assignment's
-  event carries the new epoch; a replica's report carries the report's epoch.
+- Every change writes an event row in the same transaction, each task's status
+  change its own (a job that ends writes one per task it ends, `end_events`). An
+  assignment's event carries the new epoch; a replica's report carries the
+  report's epoch; a move of a held job (a launch slot requested, granted or given
+  back, a release) carries the job's epoch at the move. Only the scheduler's own
+  events of jobs no replica holds carry 0.
 
 Reports from replicas are applied in `reports.py`, cancels in `cancels.py`; both
 use this module's transactions and helpers.
@@ -41,6 +45,7 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.event_messages import SUBMITTED
 from services.common.statuses import (
     TASK_TRANSITIONS,
     IllegalTransition,
@@ -51,9 +56,8 @@ from services.common.statuses import (
 )
 from services.scheduler import convert
 from services.scheduler.db import Database
-from services.scheduler.events import EventBus
-from services.scheduler.id_lists import ids_param, in_ids
-from services.scheduler.models import (
+from services.scheduler.db.id_lists import ids_param, in_ids
+from services.scheduler.db.models import (
     ATTEMPTS,
     EVENTS,
     JOBS,
@@ -62,8 +66,9 @@ from services.scheduler.models import (
     JobRow,
     TaskRow,
 )
-from services.scheduler.rows import Tracked, write_back
-from services.scheduler.spec import resources_summary
+from services.scheduler.db.rows import Tracked, write_back
+from services.scheduler.events import EventBus
+from services.scheduler.spec.parse import resources_summary
 
 log = logging.getLogger(__name__)
 
@@ -82,10 +87,6 @@ ANALYZE = "ANALYZE jobs, tasks, attempts, events"
 S = JobStatus
 St = ScheduleState
 ALIVE_LIST = (St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING)
-# Event messages other parts of the system (and the history checker) rely on.
-SUBMITTED = "submitted"
-ADMITTED_ON = "admitted on "
-RESUMED_ON = "resumed on "
 
 
 def utcnow() -> dt.datetime:
@@ -169,7 +170,8 @@ def _moves(*returning: Any) -> dict[tuple[bool, bool], Any]:
     invariants), returning `returning`: by (assigning, held by a given replica)."""
     moving = update(JOBS).where(in_ids(J.id, param=IDS), J.schedule_state == bindparam("old"))
     plain = moving.values(schedule_state=bindparam("new"), wait_reason="").returning(*returning)
-    # Assigning hands the jobs to a replica with the next epoch; only jobs nobody holds.
+    # Assigning hands the jobs to a replica with the next epoch (whose reports are numbered
+    # afresh); only jobs nobody holds.
     assign = (
         moving.where(J.controller_id.is_(None))
         .values(
@@ -177,6 +179,7 @@ def _moves(*returning: Any) -> dict[tuple[bool, bool], Any]:
             wait_reason="",
             controller_id=bindparam("to"),
             epoch=J.epoch + 1,
+            report_seq=0,
         )
         .returning(*returning)
     )
@@ -346,6 +349,49 @@ def set_task_statuses(
         )
         moved += [(int(j), int(t)) for j, t in rows.all()]
     return moved
+
+
+def end_events(
+    txn: Txn,
+    ended: Iterable[tuple[int, int, JobStatus]],
+    ends: Iterable[tuple[int, int, JobStatus]],
+    before: ScheduleState,
+    message: str,
+    epoch: int = 0,
+) -> None:
+    """The events of jobs that end in `txn` (contract §4: every change is an event).
+
+    `ended`: (job_id, task_id, new status) of each task the end moved; `ends`: (job_id,
+    the task the job shows, the job's status) of each job. Per job, in task order, an
+    event for each task it moved other than the one it shows, with the job still in
+    `before`; then its end, naming the task it shows: its one event in DONE, and its last.
+    """
+    moved: dict[int, list[tuple[int, JobStatus]]] = {}
+    for job_id, task_id, status in ended:
+        moved.setdefault(job_id, []).append((task_id, status))
+    for job_id, shown, status in ends:
+        for task_id, new in sorted(moved.get(job_id, ())):
+            if task_id != shown:
+                txn.event(job_id, task_id, new, before, message, epoch)
+        txn.event(job_id, shown, status, St.DONE, message, epoch)
+
+
+def end_unstarted(
+    txn: Txn, job_ids: Sequence[int], first: JobStatus, message: str, **first_values: Any
+) -> None:
+    """Ends WAITING jobs (every task still PENDING) that the jobs table has made DONE: the
+    first task becomes `first` (with `first_values`), the others CANCELLED, each with
+    its event, then the job's end (`end_events`)."""
+    ended: list[tuple[int, int, JobStatus]] = []
+    if first != S.CANCELLED:
+        moved = set_task_statuses(
+            txn, job_ids, [S.PENDING], first, task_id=0, end_time=txn.now, **first_values
+        )
+        ended += [(job_id, task_id, first) for job_id, task_id in moved]
+    moved = set_task_statuses(txn, job_ids, [S.PENDING], S.CANCELLED, end_time=txn.now)
+    ended += [(job_id, task_id, S.CANCELLED) for job_id, task_id in moved]
+    end_events(txn, ended, [(job_id, 0, first) for job_id in job_ids], St.WAITING, message)
+    txn.moves += [Move(job_id, None, None, 0, St.WAITING, St.DONE) for job_id in job_ids]
 
 
 def chunked(items: Sequence[T], size: int = IN_CHUNK) -> list[Sequence[T]]:
@@ -719,9 +765,11 @@ def move_many(
     )
     for row in rows:
         epoch = row.epoch
-        # The assignment's event carries its new epoch, so the log tells who held what.
+        # A held job's event carries its epoch (an assignment's, the new one), so the log
+        # tells who held what and on whose behalf each move was made.
+        held_by = assign_to or controller_id
         txn.event(row.id, row.current_task, row.status, new, message or new.name,
-                  epoch if assign_to else 0)  # fmt: skip
+                  epoch if held_by else 0)  # fmt: skip
         moves.append(Move(int(row.id), controller_id, assign_to or controller_id, epoch, old, new))
     txn.moves += moves
     jobs: list[job_pb2.Job] = []
@@ -750,7 +798,7 @@ def move_held(
     row = txn.conn.execute(query, params).first()
     if row is None:
         return None
-    txn.event(job_id, row[1], row[0], new, message or new.name)
+    txn.event(job_id, row[1], row[0], new, message or new.name, epoch)
     move = Move(job_id, controller_id, controller_id, epoch, old, new)
     txn.moves.append(move)
     return move

@@ -27,10 +27,17 @@ Rules kept here (regions.py has placement and the precheck):
   terminate time. A live task (UP, not ended) gets SIGTERM first (`sigterm_time`,
   a line in its log) and the cluster goes `grace` simulated seconds later, or as
   soon as the task ends or the cluster is preempted; a later Terminate may only
-  shorten the grace. Every status change is an event.
+  shorten the grace. A stop sends the same SIGTERM and kills the task (SIGKILL,
+  137) at the end of its grace, keeping the cluster. The SIGTERM of either ends
+  the task at once (FAILED, 143) unless its plan traps it (`sigterm_exit`): then
+  it exits that many seconds later, or never; a preemption notice's SIGTERM never
+  ends it. Every status change is an event.
 - Fencing: a launch, a terminate or a notice delivery whose epoch is below the
   highest launched for the job is refused (`StaleEpoch`, counted); epoch 0 on a
-  terminate or a notice means an operator and is never fenced.
+  terminate or a notice means an operator and is never fenced. Every terminate,
+  stop and notice let through is kept in the cluster's record with its epoch and
+  time: one from an epoch the job no longer holds, at a cluster its new holder
+  adopted without launching, passes the fence and shows there.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ import random
 from services.common.errors import InvalidArgument, NotFound
 from services.simcloud import bounds
 from services.simcloud.clock import Clock, ManualClock, ScaledClock, TimerHeap
-from services.simcloud.clusters import Cluster, ClusterState, TaskState
+from services.simcloud.clusters import CallKind, Cluster, ClusterState, TaskState
 from services.simcloud.config import CloudConfig
 from services.simcloud.errors import (
     CloudUnreachable,
@@ -63,11 +70,19 @@ log = logging.getLogger(__name__)
 
 # Timer kinds. _PREEMPT decides a spot reclaim (announced when the region gives
 # notice); _RECLAIM is a notice's deadline; _KILL ends a graceful terminate and
-# _STOP_KILL a graceful stop (the task killed, the cluster kept).
+# _STOP_KILL a graceful stop (the task killed, the cluster kept); _SIGTERM_EXIT is when a
+# task that traps SIGTERM exits on it.
 _UP, _SETUP_END, _RUN_END = "up", "setup_end", "run_end"
 _PREEMPT, _RECLAIM, _KILL, _STOP_KILL = "preempt", "reclaim", "kill", "stop_kill"
-# The exit code of a task killed by SIGKILL, as a shell reports it.
+_SIGTERM_EXIT = "sigterm_exit"
+# The exit codes of a task ended by SIGKILL and by SIGTERM, as a shell reports them.
 SIGKILL_EXIT_CODE = 137
+SIGTERM_EXIT_CODE = 143
+# Signal -> (exit code, the note in the task's log).
+_ENDED_BY = {
+    "SIGKILL": (SIGKILL_EXIT_CODE, "killed (SIGKILL)"),
+    "SIGTERM": (SIGTERM_EXIT_CODE, "exited (SIGTERM)"),
+}
 # Timers due within this much real time are fired now rather than slept for.
 _REAL_TOLERANCE = 0.0005
 
@@ -142,7 +157,10 @@ class Cloud:
                 elif kind == _KILL and cluster.kill_at == due:
                     self._terminate(cluster, due, replaced=False)
                 elif kind == _STOP_KILL and cluster.stop_at == due and cluster.task_live:
-                    self._kill_task(cluster, due)
+                    self._end_by_signal(cluster, due, "SIGKILL")
+                elif kind == _SIGTERM_EXIT and cluster.exit_at == due and cluster.task_live:
+                    self._end_by_signal(cluster, due, "SIGTERM")
+                    self._end_if_terminating(cluster, due)
             except Exception:
                 # A bug in one cluster's timer must not stop time for every other cluster.
                 log.exception("timer failed", extra={"kind": kind, "cluster": cluster.name})
@@ -287,9 +305,10 @@ class Cloud:
     def begin_terminate(self, name: str, epoch: int = 0, grace: float = 0.0) -> Cluster | None:
         """Starts terminating the cluster of this name; None when there is nothing to end.
 
-        A live task gets SIGTERM (recorded, a line in its log); the cluster ends now
-        when there is no live task or no grace, else `grace` simulated seconds later
-        (sooner if its task ends or it is preempted meanwhile).
+        A live task gets SIGTERM (recorded, a line in its log), which ends it at once
+        unless its plan traps it; the cluster ends now when there is no live task left
+        or no grace, else `grace` simulated seconds later (sooner if its task ends or it
+        is preempted meanwhile).
 
         Raises:
             StaleEpoch: `epoch` (when given) is below the highest seen for the job.
@@ -303,15 +322,14 @@ class Cloud:
             self._stale_terminates += 1
             raise
         now = self.clock.now()
+        cluster.record_call(CallKind.TERMINATE, epoch, now)
         if cluster.kill_at is not None:
             # Already under way: a second call may hurry it, never delay it.
             if now + grace < cluster.kill_at:
                 self._kill_at(cluster, now, grace)
             return cluster
         if cluster.task_live:
-            cluster.sigterm_time = now
-            cluster.add_note(now, f"received SIGTERM: terminating, SIGKILL in {grace:g}s")
-            self.events.wake()  # log followers read the note now
+            self._sigterm(cluster, now, f"received SIGTERM: terminating, SIGKILL in {grace:g}s")
         if cluster.task_live and grace > 0:
             self._kill_at(cluster, now, grace)
         else:
@@ -320,8 +338,9 @@ class Cloud:
 
     def begin_stop(self, name: str, epoch: int = 0, grace: float = 0.0) -> Cluster | None:
         """Stops the task of the cluster of this name and keeps the cluster: SIGTERM now
-        (recorded, a line in its log), SIGKILL `grace` simulated seconds later (the task
-        ends FAILED, exit code 137). None when there is no live task to stop.
+        (recorded, a line in its log), which ends the task at once (FAILED, exit code 143)
+        unless its plan traps it, else SIGKILL `grace` simulated seconds later (FAILED,
+        exit code 137). None when there is no live task to stop.
 
         Raises:
             StaleEpoch: `epoch` (when given) is below the highest seen for the job.
@@ -335,25 +354,43 @@ class Cloud:
             self._stale_terminates += 1
             raise
         now = self.clock.now()
+        cluster.record_call(CallKind.STOP, epoch, now)
         if cluster.stop_at is None:
-            cluster.sigterm_time = now
-            cluster.add_note(now, f"received SIGTERM: stopping, SIGKILL in {grace:g}s")
-            self.events.wake()
+            self._sigterm(cluster, now, f"received SIGTERM: stopping, SIGKILL in {grace:g}s")
+            if not cluster.task_live:
+                return cluster
         if cluster.stop_at is None or now + grace < cluster.stop_at:
             if grace <= 0:
-                self._kill_task(cluster, now)
+                self._end_by_signal(cluster, now, "SIGKILL")
             else:
                 cluster.stop_at = now + grace
                 self._schedule(cluster.stop_at, _STOP_KILL, cluster)
         return cluster
 
-    def _kill_task(self, cluster: Cluster, now: float) -> None:
-        cluster.stop_at = None
+    def _sigterm(self, cluster: Cluster, now: float, note: str) -> None:
+        """Sends the live task SIGTERM (a stop's or a terminate's): it exits now, later
+        (a plan that traps it) or never; a second SIGTERM never makes it exit later."""
+        cluster.sigterm_time = now
+        cluster.add_note(now, note)
+        self.events.wake()  # log followers read the note now
+        after = cluster.plan.sigterm_exit
+        if after is None or (cluster.exit_at is not None and cluster.exit_at <= now + after):
+            return
+        if after <= 0:
+            self._end_by_signal(cluster, now, "SIGTERM")
+        else:
+            cluster.exit_at = now + after
+            self._schedule(cluster.exit_at, _SIGTERM_EXIT, cluster)
+
+    def _end_by_signal(self, cluster: Cluster, now: float, signal: str) -> None:
+        """The live task ends FAILED, with the signal's exit code (`_ENDED_BY`)."""
+        code, note = _ENDED_BY[signal]
+        cluster.stop_at = cluster.exit_at = None
         cluster.task_status = TaskState.FAILED
-        cluster.exit_code = SIGKILL_EXIT_CODE
+        cluster.exit_code = code
         cluster.task_end_time = now
-        cluster.add_note(now, "killed (SIGKILL)")
-        self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, "run killed by SIGKILL")
+        cluster.add_note(now, note)
+        self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, f"run ended by {signal}")
 
     async def wait_stopped(self, cluster: Cluster) -> None:
         """Returns once the cluster's task is no longer live."""
@@ -397,12 +434,13 @@ class Cloud:
         except StaleEpoch:
             self._stale_notices += 1
             raise
+        now = self.clock.now()
+        cluster.record_call(CallKind.NOTICE, epoch, now)
         if not cluster.task_live:
             return None
         delivered = cluster.notice_delivered_time
         if delivered is not None and cluster.notice_delivered_deadline == deadline:
             return delivered
-        now = self.clock.now()
         cluster.notice_delivered_time = now
         cluster.notice_delivered_deadline = deadline
         self._delivered += 1

@@ -7,11 +7,14 @@ inventory entry, kept after it ends. Names are reused across a task's attempts;
 A cluster goes INIT -> UP after the launch latency; its task then goes
 SETTING_UP for `setup_seconds` (when it has setup), RUNNING for
 `runtime_seconds`, and ends SUCCEEDED (exit code 0), FAILED (non-zero exit code)
-or FAILED_SETUP (non-zero setup exit code, and the run never starts). A
-preempted cluster goes DOWN: it frees its capacity; a task that had finished
-keeps its final status, exit code and end time readable, any other task becomes
-unreadable. A terminated one is TERMINATED: gone, log included (the record keeps
-the task's end as history).
+or FAILED_SETUP (non-zero setup exit code, and the run never starts). The
+SIGTERM of a stop or a graceful terminate ends a live task FAILED with exit code
+143 at once, as it ends a process with the default handler; a plan that traps it
+(`sigterm_exit`) exits that many seconds later, or never, and SIGKILL at the end
+of the grace ends it with 137. A preempted cluster goes DOWN: it frees its
+capacity; a task that had finished keeps its final status, exit code and end time
+readable, any other task becomes unreadable. A terminated one is TERMINATED: gone,
+log included (the record keeps the task's end as history).
 
 The log is computed, never stored: line i of n is emitted at
 `run_start + runtime * i / n` on every node (prefixed `(rank=r) ` when there are
@@ -51,12 +54,22 @@ class TaskState(enum.IntEnum):
     FAILED_SETUP = 6
 
 
+class CallKind(enum.IntEnum):
+    """Mirrors simcloud.v1.ClusterCallKind."""
+
+    TERMINATE = 1
+    STOP = 2
+    NOTICE = 3
+
+
 HOLDS_CAPACITY = frozenset({ClusterState.INIT, ClusterState.UP})
 TASK_FINISHED = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.FAILED_SETUP})
 
 DEFAULT_RUNTIME_SECONDS = 1.0
 # Signal notes kept in one cluster's log; later ones are recorded but not logged.
 MAX_NOTES = 16
+# Calls (terminate, stop, notice) kept in one cluster's record; later ones are counted.
+MAX_CALLS = 32
 
 
 class TaskPlan:
@@ -64,7 +77,7 @@ class TaskPlan:
 
     Defaults without a `sim` key: no setup phase unless the task has a `setup`,
     setup 0 s, runtime 1 simulated second, exit code 0, one log line
-    "<cluster_name>: running", no scripted preemption.
+    "<cluster_name>: running", no scripted preemption, exits at SIGTERM.
     """
 
     __slots__ = (
@@ -76,6 +89,7 @@ class TaskPlan:
         "runtime",
         "setup_exit_code",
         "setup_seconds",
+        "sigterm_exit",
     )
 
     def __init__(
@@ -88,6 +102,7 @@ class TaskPlan:
         log_lines: tuple[str, ...] | None = None,
         preempt_after: float | None = None,
         exit_code_runs: int = 0,
+        sigterm_exit: float | None = 0.0,
     ) -> None:
         self.runtime = runtime
         self.setup_seconds = setup_seconds
@@ -98,15 +113,20 @@ class TaskPlan:
         self.setup_exit_code = setup_exit_code
         self.log_lines = log_lines
         self.preempt_after = preempt_after
+        # Simulated seconds from SIGTERM to the task's exit; None: it never exits on it.
+        self.sigterm_exit = sigterm_exit
 
 
 class Cluster:
     """One launch, live or ended; also its inventory record."""
 
     __slots__ = (
+        "calls",
+        "calls_dropped",
         "cluster_id",
         "epoch",
         "event_seq",
+        "exit_at",
         "exit_code",
         "gone",
         "job_id",
@@ -184,8 +204,13 @@ class Cluster:
         # A stop (the cluster kept): when its task is killed (simulated).
         self.stop_at: float | None = None
         self.kill_at: float | None = None
+        # When a task that traps SIGTERM exits on it (simulated).
+        self.exit_at: float | None = None
         # (plan lines emitted before it, text) for each signal note in the log.
         self.notes: list[tuple[int, str]] | None = None
+        # (kind, epoch, simulated time) of each terminate, stop and notice let through.
+        self.calls: list[tuple[CallKind, int, float]] | None = None
+        self.calls_dropped = 0
         # Resolved when the launch completes or fails; the Launch RPC awaits it.
         self.waiter: asyncio.Future[None] | None = None
         # Resolved when the cluster is terminated; Terminate RPCs await it.
@@ -219,6 +244,16 @@ class Cluster:
         ends = [t for t in (self.preempt_time, self.terminate_time) if t is not None]
         return min(ends) if ends else math.inf
 
+    def record_call(self, kind: CallKind, epoch: int, now: float) -> None:
+        """Keeps a call the fence let through, with the epoch it carried (the record shows
+        a stale one the fence could not refuse)."""
+        calls = self.calls if self.calls is not None else []
+        if len(calls) < MAX_CALLS:
+            calls.append((kind, epoch, now))
+        else:
+            self.calls_dropped += 1
+        self.calls = calls
+
     # --- the log -------------------------------------------------------------------------
 
     def lines(self) -> tuple[str, ...]:
@@ -243,9 +278,8 @@ class Cluster:
         if self.run_start is None or self.status == ClusterState.TERMINATED:
             return 0
         total = len(self.lines())
-        if self.task_status in TASK_FINISHED and self.task_end_time is not None:
-            return total
-        cutoff = now if self.preempt_time is None else min(now, self.preempt_time)
+        # A run stops writing when it ends (its exit, or a signal) or its cluster goes down.
+        cutoff = min(t for t in (now, self.task_end_time, self.preempt_time) if t is not None)
         if cutoff < self.run_start:
             return 0
         runtime = self.plan.runtime

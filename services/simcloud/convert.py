@@ -53,6 +53,7 @@ def launch_spec(request: pb.LaunchRequest) -> LaunchSpec:
         preempt_after=(
             behavior.preempt_after_seconds if behavior.HasField("preempt_after_seconds") else None
         ),
+        sigterm_exit=None if behavior.sigterm_ignored else behavior.sigterm_exit_seconds,
     )
     return LaunchSpec(
         cluster_name=request.cluster_name,
@@ -99,6 +100,15 @@ def cluster(clock: Clock, c: Cluster) -> pb.Cluster:
         notice_delivered_deadline=wall_timestamp(c.notice_delivered_deadline),
         sigterm_time=timestamp(clock, c.sigterm_time),
         event_seq=c.event_seq,
+        calls=[
+            pb.ClusterCall(
+                kind=int(kind),  # type: ignore[arg-type]
+                epoch=epoch,
+                call_time=timestamp(clock, when),
+            )
+            for kind, epoch, when in c.calls or ()
+        ],
+        calls_dropped=c.calls_dropped,
     )
 
 

@@ -19,8 +19,8 @@ import os
 from collections.abc import Sequence
 
 from services.common import logs, settings
-from services.common.edge import ServerSecurity, server_security
 from services.common.metrics import METRICS_PORT, serve_metrics
+from services.common.security.edge import ServerSecurity, server_security
 from services.common.server import run_until_signal
 from services.common.settings import Setting
 from services.simcloud.config import CloudConfig, ConfigError, load_config

@@ -248,6 +248,8 @@ def check_shape(spec: LaunchSpec, config: CloudConfig) -> None:
     bounds.number(plan.setup_seconds, "behavior.setup_seconds", error=err)
     if plan.preempt_after is not None:
         bounds.number(plan.preempt_after, "behavior.preempt_after_seconds", error=err)
+    if plan.sigterm_exit is not None:
+        bounds.number(plan.sigterm_exit, "behavior.sigterm_exit_seconds", error=err)
     bounds.number(plan.exit_code_runs, "behavior.exit_code_runs", 2**31 - 1, error=err)
     if plan.log_lines is not None:
         bounds.log_lines(plan.log_lines, "behavior.log_lines")

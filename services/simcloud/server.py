@@ -10,7 +10,7 @@ import contextlib
 import dataclasses
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
-from services.common.edge import ServerSecurity
+from services.common.security.edge import ServerSecurity
 from services.common.server import Server
 from services.simcloud.clock import Clock
 from services.simcloud.cloud import Cloud

@@ -97,7 +97,12 @@ Global___HeldJob: _TypeAlias = HeldJob  # noqa: Y015
 
 @_typing.final
 class ConnectControllerRequest(_message.Message):
-    """Replica → scheduler envelope. Every message carries a sequence number that acks echo."""
+    """Replica → scheduler envelope. Every request carries a sequence number (from 1) that
+    its ack echoes; a request keeps its number when it is sent again on a later stream.
+    After the hello (numbered H), a stream carries the requests sent again (numbered below
+    H, increasing), then new ones numbered H + 1, H + 2, ... with no gap: any other number
+    ends the stream INVALID_ARGUMENT. A batch envelope carries no number of its own.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -453,7 +458,10 @@ Global___ControllerDraining: _TypeAlias = ControllerDraining  # noqa: Y015
 
 @_typing.final
 class ConnectControllerResponse(_message.Message):
-    """Scheduler → replica envelope."""
+    """Scheduler → replica envelope. The messages of a stream are numbered 1, 2, 3, ... from
+    the welcome; a batch envelope carries no number of its own (its messages do). A number
+    already passed is a replay; one past the next means a message went missing.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -703,10 +711,15 @@ class ReportAck(_message.Message):
     ACCEPTED_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     REFUSAL_FIELD_NUMBER: _builtins.int
+    REPLAY_FIELD_NUMBER: _builtins.int
     ack_seq: _builtins.int
     accepted: _builtins.bool
     reason: _builtins.str
     refusal: Global___ReportRefusal.ValueType
+    replay: _builtins.bool
+    """The report was applied before (it came again, its first answer lost): accepted, and
+    not applied twice.
+    """
     def __init__(
         self,
         *,
@@ -714,10 +727,11 @@ class ReportAck(_message.Message):
         accepted: _builtins.bool = ...,
         reason: _builtins.str = ...,
         refusal: Global___ReportRefusal.ValueType = ...,
+        replay: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ack_seq", b"ack_seq", "reason", b"reason", "refusal", b"refusal"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "ack_seq", b"ack_seq", "reason", b"reason", "refusal", b"refusal", "replay", b"replay"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -796,6 +810,7 @@ class GetSchedulerStateResponse(_message.Message):
     COUNTER_CORRECTIONS_FIELD_NUMBER: _builtins.int
     REFUSED_HELLOS_FIELD_NUMBER: _builtins.int
     WATCH_STREAMS_FIELD_NUMBER: _builtins.int
+    REPLAYED_REPORTS_FIELD_NUMBER: _builtins.int
     launching: _builtins.int
     alive: _builtins.int
     waiting: _builtins.int
@@ -816,6 +831,10 @@ class GetSchedulerStateResponse(_message.Message):
     """WatchJobs streams open now, each holding one subscription to new events (an ended
     stream, however it ended, holds none).
     """
+    replayed_reports: _builtins.int
+    """Reports received again after they were applied, since start: acknowledged as
+    replays, not applied twice.
+    """
     @_builtins.property
     def global_limits(self) -> Global___Capacity: ...
     @_builtins.property
@@ -835,10 +854,11 @@ class GetSchedulerStateResponse(_message.Message):
         counter_corrections: _builtins.int = ...,
         refused_hellos: _builtins.int = ...,
         watch_streams: _builtins.int = ...,
+        replayed_reports: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["global_limits", b"global_limits"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "counter_corrections", b"counter_corrections", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "invalid_reports", b"invalid_reports", "launching", b"launching", "refused_hellos", b"refused_hellos", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting", "watch_streams", b"watch_streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "alive_waiting", b"alive_waiting", "counter_corrections", b"counter_corrections", "database_reachable", b"database_reachable", "global_limits", b"global_limits", "invalid_reports", b"invalid_reports", "launching", b"launching", "refused_hellos", b"refused_hellos", "replayed_reports", b"replayed_reports", "replicas", b"replicas", "stale_reports", b"stale_reports", "waiting", b"waiting", "watch_streams", b"watch_streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from alembic import context
 
-from services.scheduler.models import Base
+from services.scheduler.db.models import Base
 
 connection = context.config.attributes["connection"]
 context.configure(

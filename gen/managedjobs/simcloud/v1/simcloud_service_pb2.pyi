@@ -105,6 +105,61 @@ EVENT_KIND_PREEMPTION_NOTICE: EventKind.ValueType  # 3
 """The cluster will be reclaimed at `notice_deadline` (a spot preemption notice)."""
 Global___EventKind: _TypeAlias = EventKind  # noqa: Y015
 
+class _ClusterCallKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ClusterCallKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ClusterCallKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CLUSTER_CALL_KIND_UNSPECIFIED: _ClusterCallKind.ValueType  # 0
+    CLUSTER_CALL_KIND_TERMINATE: _ClusterCallKind.ValueType  # 1
+    """Terminate: the cluster to go."""
+    CLUSTER_CALL_KIND_STOP: _ClusterCallKind.ValueType  # 2
+    """Terminate with `keep_cluster`: the task stopped, the cluster kept."""
+    CLUSTER_CALL_KIND_NOTICE: _ClusterCallKind.ValueType  # 3
+    """NotifyPreemption: the notice passed on to the task."""
+
+class ClusterCallKind(_ClusterCallKind, metaclass=_ClusterCallKindEnumTypeWrapper):
+    """What a call the cloud accepted for a cluster asked for."""
+
+CLUSTER_CALL_KIND_UNSPECIFIED: ClusterCallKind.ValueType  # 0
+CLUSTER_CALL_KIND_TERMINATE: ClusterCallKind.ValueType  # 1
+"""Terminate: the cluster to go."""
+CLUSTER_CALL_KIND_STOP: ClusterCallKind.ValueType  # 2
+"""Terminate with `keep_cluster`: the task stopped, the cluster kept."""
+CLUSTER_CALL_KIND_NOTICE: ClusterCallKind.ValueType  # 3
+"""NotifyPreemption: the notice passed on to the task."""
+Global___ClusterCallKind: _TypeAlias = ClusterCallKind  # noqa: Y015
+
+@_typing.final
+class ClusterCall(_message.Message):
+    """One call that reached a cluster, with the epoch it carried: the fence let it through."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KIND_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    CALL_TIME_FIELD_NUMBER: _builtins.int
+    kind: Global___ClusterCallKind.ValueType
+    epoch: _builtins.int
+    """The caller's epoch for the cluster's job; 0 from an operator."""
+    @_builtins.property
+    def call_time(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        kind: Global___ClusterCallKind.ValueType = ...,
+        epoch: _builtins.int = ...,
+        call_time: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["call_time", b"call_time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["call_time", b"call_time", "epoch", b"epoch", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterCall: _TypeAlias = ClusterCall  # noqa: Y015
+
 @_typing.final
 class Resources(_message.Message):
     """What the task asks for (contract §3 `resources`, plus `num_nodes`)."""
@@ -186,6 +241,8 @@ class TaskBehavior(_message.Message):
     LOG_LINES_FIELD_NUMBER: _builtins.int
     PREEMPT_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     EXIT_CODE_RUNS_FIELD_NUMBER: _builtins.int
+    SIGTERM_EXIT_SECONDS_FIELD_NUMBER: _builtins.int
+    SIGTERM_IGNORED_FIELD_NUMBER: _builtins.int
     runtime_seconds: _builtins.float
     """Simulated seconds the run takes; 1 when unset. Durations here are 0..1e10."""
     setup_seconds: _builtins.float
@@ -206,6 +263,12 @@ class TaskBehavior(_message.Message):
     """When > 0, only the first this many runs of this (job, task) exit with
     exit_code; later runs exit 0. 0: every run does.
     """
+    sigterm_exit_seconds: _builtins.float
+    """It traps SIGTERM and exits (143) this many simulated seconds later, unless
+    SIGKILL at the end of the grace comes first.
+    """
+    sigterm_ignored: _builtins.bool
+    """True: it traps SIGTERM and never exits on it; only SIGKILL ends it."""
     @_builtins.property
     def log_lines(self) -> Global___LogLines:
         """Emitted evenly over the runtime; when unset: one line "<cluster_name>: running".
@@ -223,19 +286,25 @@ class TaskBehavior(_message.Message):
         log_lines: Global___LogLines | None = ...,
         preempt_after_seconds: _builtins.float | None = ...,
         exit_code_runs: _builtins.int = ...,
+        sigterm_exit_seconds: _builtins.float = ...,
+        sigterm_ignored: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "sigterm", b"sigterm", "sigterm_exit_seconds", b"sigterm_exit_seconds", "sigterm_ignored", b"sigterm_ignored"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "exit_code", b"exit_code", "exit_code_runs", b"exit_code_runs", "has_setup", b"has_setup", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "setup_exit_code", b"setup_exit_code", "setup_seconds", b"setup_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds", "_runtime_seconds", b"_runtime_seconds", "exit_code", b"exit_code", "exit_code_runs", b"exit_code_runs", "has_setup", b"has_setup", "log_lines", b"log_lines", "preempt_after_seconds", b"preempt_after_seconds", "runtime_seconds", b"runtime_seconds", "setup_exit_code", b"setup_exit_code", "setup_seconds", b"setup_seconds", "sigterm", b"sigterm", "sigterm_exit_seconds", b"sigterm_exit_seconds", "sigterm_ignored", b"sigterm_ignored"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__preempt_after_seconds: _TypeAlias = _typing.Literal["preempt_after_seconds"]  # noqa: Y015
     _WhichOneofArgType__preempt_after_seconds: _TypeAlias = _typing.Literal["_preempt_after_seconds", b"_preempt_after_seconds"]  # noqa: Y015
     _WhichOneofReturnType__runtime_seconds: _TypeAlias = _typing.Literal["runtime_seconds"]  # noqa: Y015
     _WhichOneofArgType__runtime_seconds: _TypeAlias = _typing.Literal["_runtime_seconds", b"_runtime_seconds"]  # noqa: Y015
+    _WhichOneofReturnType_sigterm: _TypeAlias = _typing.Literal["sigterm_exit_seconds", "sigterm_ignored"]  # noqa: Y015
+    _WhichOneofArgType_sigterm: _TypeAlias = _typing.Literal["sigterm", b"sigterm"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__preempt_after_seconds) -> _WhichOneofReturnType__preempt_after_seconds | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__runtime_seconds) -> _WhichOneofReturnType__runtime_seconds | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_sigterm) -> _WhichOneofReturnType_sigterm | None: ...
 
 Global___TaskBehavior: _TypeAlias = TaskBehavior  # noqa: Y015
 
@@ -426,6 +495,8 @@ class Cluster(_message.Message):
     NOTICE_DELIVERED_DEADLINE_FIELD_NUMBER: _builtins.int
     SIGTERM_TIME_FIELD_NUMBER: _builtins.int
     EVENT_SEQ_FIELD_NUMBER: _builtins.int
+    CALLS_FIELD_NUMBER: _builtins.int
+    CALLS_DROPPED_FIELD_NUMBER: _builtins.int
     cluster_id: _builtins.int
     """Unique per launch; a name is reused across attempts, an id never."""
     name: _builtins.str
@@ -452,6 +523,7 @@ class Cluster(_message.Message):
     """The sequence number of the latest event about this cluster: an event numbered
     below it says something older than this record (WatchEvents lags behind a read).
     """
+    calls_dropped: _builtins.int
     @_builtins.property
     def launch_time(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -484,6 +556,15 @@ class Cluster(_message.Message):
     def sigterm_time(self) -> _timestamp_pb2.Timestamp:
         """When Terminate sent SIGTERM to the live task (the cluster went after the grace)."""
 
+    @_builtins.property
+    def calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterCall]:
+        """Every terminate, stop and notice the cloud accepted for this cluster, in order,
+        with its epoch (the first 32; `calls_dropped` counts the others). The fence
+        refuses only an epoch below the highest one launched for the job, so a call from a
+        replica whose job moved to a holder that adopted this cluster without launching
+        is accepted: this record shows it.
+        """
+
     def __init__(
         self,
         *,
@@ -511,10 +592,12 @@ class Cluster(_message.Message):
         notice_delivered_deadline: _timestamp_pb2.Timestamp | None = ...,
         sigterm_time: _timestamp_pb2.Timestamp | None = ...,
         event_seq: _builtins.int = ...,
+        calls: _abc.Iterable[Global___ClusterCall] | None = ...,
+        calls_dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["launch_time", b"launch_time", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "preempt_time", b"preempt_time", "sigterm_time", b"sigterm_time", "task_end_time", b"task_end_time", "terminate_time", b"terminate_time", "up_time", b"up_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cluster_id", b"cluster_id", "epoch", b"epoch", "event_seq", b"event_seq", "exit_code", b"exit_code", "job_id", b"job_id", "launch_time", b"launch_time", "name", b"name", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "num_nodes", b"num_nodes", "preempt_time", b"preempt_time", "preempted", b"preempted", "region", b"region", "replaced", b"replaced", "sigterm_time", b"sigterm_time", "spot", b"spot", "status", b"status", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status", "terminate_time", b"terminate_time", "up_time", b"up_time", "zone", b"zone"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["calls", b"calls", "calls_dropped", b"calls_dropped", "cluster_id", b"cluster_id", "epoch", b"epoch", "event_seq", b"event_seq", "exit_code", b"exit_code", "job_id", b"job_id", "launch_time", b"launch_time", "name", b"name", "notice_deadline", b"notice_deadline", "notice_delivered_deadline", b"notice_delivered_deadline", "notice_delivered_time", b"notice_delivered_time", "num_nodes", b"num_nodes", "preempt_time", b"preempt_time", "preempted", b"preempted", "region", b"region", "replaced", b"replaced", "sigterm_time", b"sigterm_time", "spot", b"spot", "status", b"status", "task_end_time", b"task_end_time", "task_id", b"task_id", "task_status", b"task_status", "terminate_time", b"terminate_time", "up_time", b"up_time", "zone", b"zone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -626,7 +709,8 @@ class TerminateRequest(_message.Message):
     """Simulated seconds between SIGTERM to a live task and the end of the cluster."""
     keep_cluster: _builtins.bool
     """Stop the task only: SIGTERM, and SIGKILL after `grace_seconds` (the task ends
-    FAILED with exit code 137); the cluster stays UP with its log until a Terminate
+    FAILED with exit code 137) unless it exited on the SIGTERM (143, see
+    TaskBehavior.sigterm); the cluster stays UP with its log until a Terminate
     without this. Returns once the task is no longer live.
     """
     def __init__(

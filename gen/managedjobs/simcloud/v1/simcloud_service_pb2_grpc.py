@@ -156,7 +156,8 @@ class SimCloudServiceServicer:
 
     def Terminate(self, request, context):
         """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
-        first and the cluster goes after `grace_seconds` (at once when the task ended);
+        first and the cluster goes after `grace_seconds`, or as soon as the task ends (at
+        once for a task that does not trap SIGTERM, see TaskBehavior.sigterm);
         returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
         when a newer epoch of the job holds it.
         """

@@ -66,7 +66,8 @@ class SimCloudServiceStub:
     """
     Terminate: _grpc.UnaryUnaryMultiCallable[_simcloud_service_pb2.TerminateRequest, _simcloud_service_pb2.TerminateResponse]
     """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
-    first and the cluster goes after `grace_seconds` (at once when the task ended);
+    first and the cluster goes after `grace_seconds`, or as soon as the task ends (at
+    once for a task that does not trap SIGTERM, see TaskBehavior.sigterm);
     returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
     when a newer epoch of the job holds it.
     """
@@ -136,7 +137,8 @@ class SimCloudServiceAsyncStub(SimCloudServiceStub):
     """
     Terminate: _aio.UnaryUnaryMultiCallable[_simcloud_service_pb2.TerminateRequest, _simcloud_service_pb2.TerminateResponse]  # type: ignore[assignment]
     """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
-    first and the cluster goes after `grace_seconds` (at once when the task ended);
+    first and the cluster goes after `grace_seconds`, or as soon as the task ends (at
+    once for a task that does not trap SIGTERM, see TaskBehavior.sigterm);
     returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
     when a newer epoch of the job holds it.
     """
@@ -233,7 +235,8 @@ class SimCloudServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_simcloud_service_pb2.TerminateResponse, _abc.Awaitable[_simcloud_service_pb2.TerminateResponse]]:
         """Tears a cluster down and frees its capacity; idempotent. A live task gets SIGTERM
-        first and the cluster goes after `grace_seconds` (at once when the task ended);
+        first and the cluster goes after `grace_seconds`, or as soon as the task ends (at
+        once for a task that does not trap SIGTERM, see TaskBehavior.sigterm);
         returns once the cluster is terminated. FAILED_PRECONDITION (reason STALE_EPOCH)
         when a newer epoch of the job holds it.
         """

@@ -1,0 +1,1 @@
+"""What the benchmarks share: starting the system, the machine, recording results."""

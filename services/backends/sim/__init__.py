@@ -1,0 +1,1 @@
+"""The sim backend: clusters on the sim cloud, over its gRPC API."""

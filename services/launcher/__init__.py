@@ -1,0 +1,1 @@
+"""The launcher: starts every service as a process, as `make up` does."""

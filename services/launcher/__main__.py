@@ -1,0 +1,3 @@
+from services.launcher.stack import main
+
+main()
