@@ -16,9 +16,10 @@ the logs of a task's successive attempts). `services.logs.main` holds the entry
 point and its `SETTINGS`.
 """
 
+from services.logs.attempts import RECOVERED_MARKER
 from services.logs.directory import JobDirectory
 from services.logs.holders import Holders
 from services.logs.service import LogServicer
-from services.logs.store import RECOVERED_MARKER, LogStore
+from services.logs.store import LogStore
 
 __all__ = ["RECOVERED_MARKER", "Holders", "JobDirectory", "LogServicer", "LogStore"]

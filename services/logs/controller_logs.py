@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 
+from services.logs.reading import read_range, tail_offset
 from services.logs.store import LogStore
 from services.logs.tracker import JobTracker
 
@@ -19,7 +20,7 @@ from services.logs.tracker import JobTracker
 def read_controller_log(store: LogStore, job_id: int, tail_lines: int) -> Iterator[bytes]:
     """The job's controller log as it is now, in chunks."""
     path = store.controller_path(job_id)
-    return store.read_range(path, store.tail_offset(path, tail_lines))
+    return read_range(path, tail_offset(path, tail_lines))
 
 
 async def follow_controller_log(
@@ -27,12 +28,12 @@ async def follow_controller_log(
 ) -> AsyncIterator[bytes]:
     """The job's controller log, then every line appended to it until the job is over."""
     path = store.controller_path(tracker.job_id)
-    position = store.tail_offset(path, tail_lines)
+    position = tail_offset(path, tail_lines)
     while True:
         # Taken before reading, so an append right after the read still wakes us.
         appended = store.changed(tracker.job_id)
         over = tracker.over
-        for chunk in store.read_range(path, position):
+        for chunk in read_range(path, position):
             position += len(chunk)
             yield chunk
         if over:

@@ -1,7 +1,7 @@
 """Serving one task's logs: the stored copy, the live cluster, or both in turn.
 
 A task's log is the logs of its attempts (1, then one more per recovery or
-restart; `current_attempt`) joined by `store.separator`. The stored copy holds
+restart; `current_attempt`) joined by `attempts.separator`. The stored copy holds
 the attempts the controller fetched before tearing their clusters down; the
 current attempt lives on its cluster until then. Every attempt of a task runs on
 a cluster of the same name, so an attempt is told apart by its number, never by
@@ -41,8 +41,10 @@ from managedjobs.v1 import job_pb2
 from services.backends.base import Backend
 from services.common.errors import NotFound
 from services.common.statuses import TERMINAL, JobStatus
+from services.logs.attempts import TaskLog, separator
 from services.logs.directory import task_status
-from services.logs.store import LogStore, TaskLog, chunks, separator, tail_start
+from services.logs.reading import chunks, read_bytes, read_range, tail_offset, tail_start
+from services.logs.store import LogStore
 from services.logs.tracker import JobTracker
 
 log = logging.getLogger(__name__)
@@ -94,13 +96,13 @@ async def read_task_logs(
         # Live, or finished but not fetched yet: the cluster may still be there.
         live = await _read_live(backend, task.cluster_name)
         if live:
-            data = _stored_before(store, stored, current) + live
+            data = _stored_before(stored, current) + live
             for chunk in chunks(data[tail_start(data, tail_lines) :]):
                 yield chunk
             return
     if stored is not None:
-        start = store.tail_offset(stored.path, tail_lines)
-        for chunk in store.read_range(stored.path, start, stored.size):
+        start = tail_offset(stored.path, tail_lines)
+        for chunk in read_range(stored.path, start, stored.size):
             yield chunk
 
 
@@ -125,8 +127,8 @@ async def _read_attempt(
                 yield chunk
             return
     if stored is not None and section is not None:
-        start = store.tail_offset(stored.path, tail_lines, section.offset, section.end)
-        for chunk in store.read_range(stored.path, start, section.end):
+        start = tail_offset(stored.path, tail_lines, section.offset, section.end)
+        for chunk in read_range(stored.path, start, section.end):
             yield chunk
         return
     if live_now and status not in TERMINAL:
@@ -139,14 +141,14 @@ async def _read_attempt(
     )
 
 
-def _stored_before(store: LogStore, stored: TaskLog | None, attempt: int) -> bytes:
+def _stored_before(stored: TaskLog | None, attempt: int) -> bytes:
     """Stored attempts before `attempt`, with the separator its log goes after."""
     if stored is None:
         return b""
     start = stored.start_of(attempt)
     if start is not None:
-        return store.read_bytes(stored.path, 0, start)
-    before = store.read_bytes(stored.path, 0, stored.size)
+        return read_bytes(stored.path, 0, start)
+    before = read_bytes(stored.path, 0, stored.size)
     return before + separator(before) if stored.sections else before
 
 
@@ -275,8 +277,8 @@ class TaskLogFollower:
             if self._attempt is not None:
                 start = section.offset + min(self._attempt.covered, section.size)
             else:
-                start = self._store.tail_offset(path, self._tail_lines, section.offset, section.end)
-            return [self._emit(b) for b in self._store.read_range(path, start, section.end)]
+                start = tail_offset(path, self._tail_lines, section.offset, section.end)
+            return [self._emit(b) for b in read_range(path, start, section.end)]
         start = 0
         if self._attempt is not None:
             section = stored.section(self._attempt.number)
@@ -284,8 +286,8 @@ class TaskLogFollower:
                 return []
             start = section.offset + min(self._attempt.covered, section.size)
         elif self._tail_lines:
-            start = self._store.tail_offset(path, self._tail_lines)
-        return [self._emit(b) for b in self._store.read_range(path, start, stored.size)]
+            start = tail_offset(path, self._tail_lines)
+        return [self._emit(b) for b in read_range(path, start, stored.size)]
 
     async def _begin_attempt(self, task: job_pb2.Task) -> AsyncIterator[bytes]:
         first = self._attempt is None
@@ -297,7 +299,7 @@ class TaskLogFollower:
         backlog = b""
         if self._only is None:
             stored = self._store.task_log(self._job_id, self._task_id)
-            backlog = _stored_before(self._store, stored, number)
+            backlog = _stored_before(stored, number)
         if self._tail_lines:
             # Cut the last lines out of everything there now, live part included.
             live = await _read_live(self._backend, task.cluster_name) or b""

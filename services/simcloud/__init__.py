@@ -11,9 +11,9 @@ Public surface: `Cloud` (the model), `CloudConfig`/`load_config`, the clocks,
 """
 
 from services.simcloud.clock import ManualClock, ScaledClock
-from services.simcloud.cloud import Cloud, CloudState
+from services.simcloud.cloud import Cloud
 from services.simcloud.config import DEFAULT_CONFIG, CloudConfig, ConfigError, load_config
-from services.simcloud.inventory import list_inventory
+from services.simcloud.inventory import CloudState, list_inventory
 from services.simcloud.server import RunningCloud, start
 
 __all__ = [

@@ -1,181 +1,69 @@
-"""The simulated cloud: launches, the timed life of clusters, chaos, and the inventory.
+"""The simulated cloud: launches, terminations, the operator's knobs and the inventory.
 
-`Cloud` owns every region, every cluster ever launched (the inventory, in
-launch order), the event log and one timer heap. With a `ScaledClock`, `run()`
-is the only background task: it sleeps until the earliest timer is due and
-fires what is due. With a `ManualClock`, tests call `advance()` instead. Either
-way a timer's due time is the simulated "now" of what it does and timers fire
-in (due, insertion) order, so the same seed and the same calls give the same
-events (`Event.key`); on a `ManualClock`, the same times as well.
+`Cloud` joins the parts of the model over one core (core.py: state, timers, a
+cluster's end): processes.py runs each cluster's task, preemption.py reclaims
+spot clusters and delivers notices, fence.py fences calls by epoch and keeps
+the record of those let through. This module places clusters and ends them.
 
-Rules kept here (regions.py has placement and the precheck):
 - Launch: a request whose epoch is below the highest seen for its job is
   refused (`StaleEpoch`, counted). A live or preempted cluster of the same name
   is terminated first (`replaced` when it was still INIT or UP). Regions are
   tried in order, each one recorded; the first with room in the right pool
   (and no injected failure) gets an INIT cluster that is UP after the region's
-  launch latency; none -> `NoCapacity` with the regions tried.
-- Preemption: spot clusters only, decided at `preempt_after_seconds` after UP for
-  the first spot cluster of a (job, task), and/or at an exponential random time
-  drawn from the seeded RNG at UP when the region's rate is above 0. The
-  operator may preempt anything, any time. A reclaim decided with the region's
-  `notice_seconds` above 0 (or an operator's notice) is announced at once as a
-  PREEMPTION_NOTICE event carrying the deadline, and happens at the deadline; an
-  earlier reclaim may overtake it, a later one never postpones it. DOWN frees
-  capacity at once; a task that had finished stays readable until termination.
+  launch latency; none -> `NoCapacity` with the regions tried (regions.py has
+  placement and the precheck). A Launch whose caller gives up is rolled back.
 - Terminate is idempotent and frees capacity; the record stays, with its
   terminate time. A live task (UP, not ended) gets SIGTERM first (`sigterm_time`,
   a line in its log) and the cluster goes `grace` simulated seconds later, or as
   soon as the task ends or the cluster is preempted; a later Terminate may only
-  shorten the grace. A stop sends the same SIGTERM and kills the task (SIGKILL,
-  137) at the end of its grace, keeping the cluster. The SIGTERM of either ends
-  the task at once (FAILED, 143) unless its plan traps it (`sigterm_exit`): then
-  it exits that many seconds later, or never; a preemption notice's SIGTERM never
-  ends it. Every status change is an event.
-- Fencing: a launch, a terminate or a notice delivery whose epoch is below the
-  highest launched for the job is refused (`StaleEpoch`, counted); epoch 0 on a
-  terminate or a notice means an operator and is never fenced. Every terminate,
-  stop and notice let through is kept in the cluster's record with its epoch and
-  time: one from an epoch the job no longer holds, at a cluster its new holder
-  adopted without launching, passes the fence and shows there.
+  shorten the grace. Every status change is an event.
+- The operator sets capacity, injects faults (latency, failing launches, an
+  outage of the cloud API, preemption rates and notices) and reads the inventory
+  and the counters (inventory.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import datetime
-import logging
 import math
-import random
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument
 from services.simcloud import bounds
-from services.simcloud.clock import Clock, ManualClock, ScaledClock, TimerHeap
-from services.simcloud.clusters import CallKind, Cluster, ClusterState, TaskState
+from services.simcloud.clock import Clock
+from services.simcloud.clusters import CallKind, Cluster, ClusterState
 from services.simcloud.config import CloudConfig
-from services.simcloud.errors import (
-    CloudUnreachable,
-    ClusterNotFound,
-    NoCapacity,
-    PrecheckFailed,
-    PrecheckInvalid,
-    StaleEpoch,
-)
-from services.simcloud.events import EventKind, EventLog
+from services.simcloud.errors import NoCapacity, PrecheckFailed, PrecheckInvalid
+from services.simcloud.events import EventKind
 from services.simcloud.inventory import CloudState, count_violations
+from services.simcloud.preemption import PREEMPT, RECLAIM, Preemptions
+from services.simcloud.processes import RUN_END, SETUP_END, SIGTERM_EXIT, STOP_KILL, Processes
 from services.simcloud.regions import LaunchSpec, Region, candidates, check_shape
 
-log = logging.getLogger(__name__)
-
-# Timer kinds. _PREEMPT decides a spot reclaim (announced when the region gives
-# notice); _RECLAIM is a notice's deadline; _KILL ends a graceful terminate and
-# _STOP_KILL a graceful stop (the task killed, the cluster kept); _SIGTERM_EXIT is when a
-# task that traps SIGTERM exits on it.
-_UP, _SETUP_END, _RUN_END = "up", "setup_end", "run_end"
-_PREEMPT, _RECLAIM, _KILL, _STOP_KILL = "preempt", "reclaim", "kill", "stop_kill"
-_SIGTERM_EXIT = "sigterm_exit"
-# The exit codes of a task ended by SIGKILL and by SIGTERM, as a shell reports them.
-SIGKILL_EXIT_CODE = 137
-SIGTERM_EXIT_CODE = 143
-# Signal -> (exit code, the note in the task's log).
-_ENDED_BY = {
-    "SIGKILL": (SIGKILL_EXIT_CODE, "killed (SIGKILL)"),
-    "SIGTERM": (SIGTERM_EXIT_CODE, "exited (SIGTERM)"),
-}
-# Timers due within this much real time are fired now rather than slept for.
-_REAL_TOLERANCE = 0.0005
+# Timer kinds: a launch is UP; a graceful terminate's grace ends.
+UP, KILL = "up", "kill"
 
 
-class Cloud:
+class Cloud(Processes, Preemptions):
+    """The simulated cloud, every part joined; what the servicers and tests call."""
+
     def __init__(self, config: CloudConfig, clock: Clock | None = None) -> None:
-        self.config = config
-        self.clock: Clock = clock or ScaledClock(config.time_scale)
-        self.rng = random.Random(config.seed)
-        self.regions = {r.name: Region(r, config) for r in config.regions}
-        self.events = EventLog(config.event_buffer)
-        self.inventory: list[Cluster] = []
-        self._by_name: dict[str, Cluster] = {}
-        self._timers = TimerHeap()
-        self._wake = asyncio.Event()
-        self._epochs: dict[int, int] = {}
-        self._scripted: set[tuple[int, int]] = set()
-        # Per (job, task) with `exit_code_runs`: how many of its runs exited with exit_code.
-        self._failing_runs: dict[tuple[int, int], int] = {}
-        self._live = 0
-        self._terminated = 0
-        self._preempted = 0
-        self._replaced = 0
-        self._stale = 0
-        self._stale_terminates = 0
-        self._stale_notices = 0
-        self._notices = 0
-        self._delivered = 0
+        super().__init__(config, clock)
         self._prechecks = 0
         self._no_capacity = 0
-        self.unreachable_until = -math.inf
+        self._timer_actions.update(
+            {
+                UP: self._on_up,
+                SETUP_END: self._on_setup_end,
+                RUN_END: self._on_run_end,
+                PREEMPT: self._on_preempt,
+                RECLAIM: self._on_reclaim,
+                KILL: self._on_kill,
+                STOP_KILL: self._on_stop_kill,
+                SIGTERM_EXIT: self._on_sigterm_exit,
+            }
+        )
 
-    # --- driving time ------------------------------------------------------------------------
-
-    async def run(self) -> None:
-        """Fires timers as they come due, forever (the one scheduler task)."""
-        tolerance = _REAL_TOLERANCE * self.clock.time_scale
-        while True:
-            self._fire_due(self.clock.now() + tolerance)
-            self._wake.clear()
-            due = self._timers.next_due()
-            delay = None if due is None else self.clock.real_delay(due - self.clock.now())
-            if delay is None or delay > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), delay)
-
-    def advance(self, seconds: float) -> None:
-        """Moves a `ManualClock` forward, firing every timer due on the way, in order."""
-        if not isinstance(self.clock, ManualClock):
-            raise TypeError("advance() needs a ManualClock")
-        target = self.clock.now() + seconds
-        while (due := self._timers.next_due()) is not None and due <= target:
-            self.clock.set(due)
-            self._fire_due(due)
-        self.clock.set(target)
-
-    def _fire_due(self, now: float) -> None:
-        while (entry := self._timers.pop_due(now)) is not None:
-            due, kind, (cluster, message) = entry
-            try:
-                if kind == _UP:
-                    self._on_up(cluster, due)
-                elif kind == _SETUP_END:
-                    self._on_setup_end(cluster, due)
-                elif kind == _RUN_END:
-                    self._on_run_end(cluster, due)
-                elif kind == _PREEMPT and cluster.live:
-                    notice = self.regions[cluster.region].notice_seconds
-                    self._announce(cluster, due, notice, message)
-                elif kind == _RECLAIM and cluster.live and cluster.notice_deadline == due:
-                    self._preempt(cluster, due, message)
-                elif kind == _KILL and cluster.kill_at == due:
-                    self._terminate(cluster, due, replaced=False)
-                elif kind == _STOP_KILL and cluster.stop_at == due and cluster.task_live:
-                    self._end_by_signal(cluster, due, "SIGKILL")
-                elif kind == _SIGTERM_EXIT and cluster.exit_at == due and cluster.task_live:
-                    self._end_by_signal(cluster, due, "SIGTERM")
-                    self._end_if_terminating(cluster, due)
-            except Exception:
-                # A bug in one cluster's timer must not stop time for every other cluster.
-                log.exception("timer failed", extra={"kind": kind, "cluster": cluster.name})
-
-    def _schedule(self, due: float, kind: str, cluster: Cluster, message: str = "") -> None:
-        if self._timers.push(due, kind, (cluster, message)):
-            self._wake.set()
-
-    # --- the cloud API -----------------------------------------------------------------------
-
-    def check_reachable(self) -> None:
-        """Raises `CloudUnreachable` during an injected outage."""
-        left = self.unreachable_until - self.clock.now()
-        if left > 0:
-            raise CloudUnreachable(f"the cloud API is unreachable for another {left:.1f} sim s")
+    # --- launches ----------------------------------------------------------------------------
 
     def begin_launch(self, spec: LaunchSpec) -> tuple[Cluster, list[str]]:
         """Places an INIT cluster (UP after the latency) and returns it with the regions tried.
@@ -189,19 +77,13 @@ class Cloud:
         except (PrecheckInvalid, PrecheckFailed):
             self._prechecks += 1
             raise
-        if spec.epoch < self._epochs.get(spec.job_id, spec.epoch):
-            self._stale += 1
-            raise StaleEpoch(
-                f"stale epoch {spec.epoch} for job {spec.job_id}: "
-                f"epoch {self._epochs[spec.job_id]} already launched",
-                job_id=str(spec.job_id),
-            )
+        self.fence.check_launch(spec.job_id, spec.epoch)
         try:
             targets = candidates(spec, self.regions, self.config)
         except (PrecheckInvalid, PrecheckFailed):
             self._prechecks += 1
             raise
-        self._epochs[spec.job_id] = spec.epoch
+        self.fence.launched(spec.job_id, spec.epoch)
         now = self.clock.now()
         old = self._by_name.get(spec.cluster_name)
         if old is not None and old.status != ClusterState.TERMINATED:
@@ -234,7 +116,7 @@ class Cloud:
             self._by_name[cluster.name] = cluster
             self._live += 1
             self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, f"launching in {zone}")
-            self._schedule(now + region.launch_latency, _UP, cluster)
+            self._schedule(now + region.launch_latency, UP, cluster)
             return cluster, tried
         self._no_capacity += 1
         pool = "spot" if spec.use_spot else "on-demand"
@@ -273,27 +155,17 @@ class Cloud:
             raise
         return cluster, tried
 
-    def get(self, name: str) -> Cluster:
-        """The latest cluster of this name, terminated or not."""
-        cluster = self._by_name.get(name)
-        if cluster is None:
-            raise ClusterNotFound(
-                f"no cluster named {bounds.quote(name)} was ever launched", name=name[:128]
-            )
-        return cluster
+    def _on_up(self, cluster: Cluster, now: float, _: str) -> None:
+        if cluster.status != ClusterState.INIT:
+            return
+        cluster.status = ClusterState.UP
+        cluster.up_time = now
+        self._start_task(cluster, now)
+        self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, "up")
+        self._arm_preemption(cluster, now)
+        self._settle(cluster)
 
-    def find(self, name: str) -> Cluster | None:
-        """The latest cluster of this name, or None if it was never launched."""
-        return self._by_name.get(name)
-
-    def _fence(self, cluster: Cluster, epoch: int, what: str) -> None:
-        latest = self._epochs.get(cluster.job_id, 0)
-        if epoch and epoch < latest:
-            raise StaleEpoch(
-                f"stale epoch {epoch} for job {cluster.job_id}: epoch {latest} holds "
-                f"{cluster.name}; {what} refused",
-                job_id=str(cluster.job_id),
-            )
+    # --- terminations ------------------------------------------------------------------------
 
     def terminate(self, name: str, epoch: int = 0, grace: float = 0.0) -> bool:
         """Terminates the cluster of this name; False when there was nothing to terminate.
@@ -316,13 +188,8 @@ class Cloud:
         cluster = self._by_name.get(name)
         if cluster is None or cluster.status == ClusterState.TERMINATED:
             return None
-        try:
-            self._fence(cluster, epoch, "terminate")
-        except StaleEpoch:
-            self._stale_terminates += 1
-            raise
         now = self.clock.now()
-        cluster.record_call(CallKind.TERMINATE, epoch, now)
+        self.fence.admit(cluster, CallKind.TERMINATE, epoch, now)
         if cluster.kill_at is not None:
             # Already under way: a second call may hurry it, never delay it.
             if now + grace < cluster.kill_at:
@@ -336,73 +203,16 @@ class Cloud:
             self._terminate(cluster, now, replaced=False)
         return cluster
 
-    def begin_stop(self, name: str, epoch: int = 0, grace: float = 0.0) -> Cluster | None:
-        """Stops the task of the cluster of this name and keeps the cluster: SIGTERM now
-        (recorded, a line in its log), which ends the task at once (FAILED, exit code 143)
-        unless its plan traps it, else SIGKILL `grace` simulated seconds later (FAILED,
-        exit code 137). None when there is no live task to stop.
-
-        Raises:
-            StaleEpoch: `epoch` (when given) is below the highest seen for the job.
-        """
-        cluster = self._by_name.get(name)
-        if cluster is None or not cluster.task_live:
-            return None
-        try:
-            self._fence(cluster, epoch, "stop")
-        except StaleEpoch:
-            self._stale_terminates += 1
-            raise
-        now = self.clock.now()
-        cluster.record_call(CallKind.STOP, epoch, now)
-        if cluster.stop_at is None:
-            self._sigterm(cluster, now, f"received SIGTERM: stopping, SIGKILL in {grace:g}s")
-            if not cluster.task_live:
-                return cluster
-        if cluster.stop_at is None or now + grace < cluster.stop_at:
-            if grace <= 0:
-                self._end_by_signal(cluster, now, "SIGKILL")
-            else:
-                cluster.stop_at = now + grace
-                self._schedule(cluster.stop_at, _STOP_KILL, cluster)
-        return cluster
-
-    def _sigterm(self, cluster: Cluster, now: float, note: str) -> None:
-        """Sends the live task SIGTERM (a stop's or a terminate's): it exits now, later
-        (a plan that traps it) or never; a second SIGTERM never makes it exit later."""
-        cluster.sigterm_time = now
-        cluster.add_note(now, note)
-        self.events.wake()  # log followers read the note now
-        after = cluster.plan.sigterm_exit
-        if after is None or (cluster.exit_at is not None and cluster.exit_at <= now + after):
-            return
-        if after <= 0:
-            self._end_by_signal(cluster, now, "SIGTERM")
-        else:
-            cluster.exit_at = now + after
-            self._schedule(cluster.exit_at, _SIGTERM_EXIT, cluster)
-
-    def _end_by_signal(self, cluster: Cluster, now: float, signal: str) -> None:
-        """The live task ends FAILED, with the signal's exit code (`_ENDED_BY`)."""
-        code, note = _ENDED_BY[signal]
-        cluster.stop_at = cluster.exit_at = None
-        cluster.task_status = TaskState.FAILED
-        cluster.exit_code = code
-        cluster.task_end_time = now
-        cluster.add_note(now, note)
-        self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, f"run ended by {signal}")
-
-    async def wait_stopped(self, cluster: Cluster) -> None:
-        """Returns once the cluster's task is no longer live."""
-        while cluster.task_live:
-            await self.events.wait(None)
-
     def _kill_at(self, cluster: Cluster, now: float, grace: float) -> None:
         if grace <= 0:
             self._terminate(cluster, now, replaced=False)
             return
         cluster.kill_at = now + grace
-        self._schedule(cluster.kill_at, _KILL, cluster)
+        self._schedule(cluster.kill_at, KILL, cluster)
+
+    def _on_kill(self, cluster: Cluster, now: float, _: str) -> None:
+        if cluster.kill_at == now:
+            self._terminate(cluster, now, replaced=False)
 
     async def wait_terminated(self, cluster: Cluster) -> None:
         """Returns once the cluster is terminated (a caller giving up cancels nothing)."""
@@ -412,217 +222,7 @@ class Cloud:
             cluster.gone = asyncio.get_running_loop().create_future()
         await asyncio.shield(cluster.gone)
 
-    def notify(self, name: str, epoch: int, deadline: float) -> float | None:
-        """Delivers a preemption notice to the cluster's task: SIGTERM and the notice file.
-
-        Args:
-            name: The cluster.
-            epoch: The caller's epoch for the cluster's job (0: an operator).
-            deadline: When the cluster will be reclaimed, Unix seconds.
-
-        Returns:
-            The simulated time of delivery (of the first one, for a repeat of the same
-            deadline); None when there was no live task to tell.
-
-        Raises:
-            ClusterNotFound: never launched.
-            StaleEpoch: a newer epoch of the job holds the cluster.
-        """
-        cluster = self.get(name)
-        try:
-            self._fence(cluster, epoch, "preemption notice")
-        except StaleEpoch:
-            self._stale_notices += 1
-            raise
-        now = self.clock.now()
-        cluster.record_call(CallKind.NOTICE, epoch, now)
-        if not cluster.task_live:
-            return None
-        delivered = cluster.notice_delivered_time
-        if delivered is not None and cluster.notice_delivered_deadline == deadline:
-            return delivered
-        cluster.notice_delivered_time = now
-        cluster.notice_delivered_deadline = deadline
-        self._delivered += 1
-        cluster.add_note(now, f"received SIGTERM: preemption notice, reclaim at {_iso(deadline)}")
-        self.events.wake()  # log followers read the note now
-        return now
-
-    # --- the timed life of a cluster -------------------------------------------------------
-
-    def _on_up(self, cluster: Cluster, now: float) -> None:
-        if cluster.status != ClusterState.INIT:
-            return
-        cluster.status = ClusterState.UP
-        cluster.up_time = now
-        plan = cluster.plan
-        if plan.has_setup:
-            cluster.task_status = TaskState.SETTING_UP
-            self._schedule(now + plan.setup_seconds, _SETUP_END, cluster)
-        else:
-            self._start_run(cluster, now)
-        self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, "up")
-        if cluster.spot:
-            key = (cluster.job_id, cluster.task_id)
-            message = "preempted (spot)"
-            if plan.preempt_after is not None and key not in self._scripted:
-                self._scripted.add(key)
-                self._schedule(now + plan.preempt_after, _PREEMPT, cluster, message)
-            rate = self.regions[cluster.region].preemptions_per_hour
-            if rate > 0:
-                draw = self.rng.expovariate(rate / 3600.0)
-                self._schedule(now + draw, _PREEMPT, cluster, message)
-        self._settle(cluster)
-
-    def _start_run(self, cluster: Cluster, now: float) -> None:
-        cluster.task_status = TaskState.RUNNING
-        cluster.run_start = now
-        self._schedule(now + cluster.plan.runtime, _RUN_END, cluster)
-
-    def _on_setup_end(self, cluster: Cluster, now: float) -> None:
-        if cluster.status != ClusterState.UP or cluster.task_status != TaskState.SETTING_UP:
-            return
-        code = cluster.plan.setup_exit_code
-        if code != 0:
-            cluster.task_status = TaskState.FAILED_SETUP
-            cluster.exit_code = code
-            cluster.task_end_time = now
-            message = f"setup exited with {code}"
-        else:
-            self._start_run(cluster, now)
-            message = "setup done"
-        self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, message)
-        self._end_if_terminating(cluster, now)
-
-    def _on_run_end(self, cluster: Cluster, now: float) -> None:
-        if cluster.status != ClusterState.UP or cluster.task_status != TaskState.RUNNING:
-            return
-        code = self._run_exit_code(cluster)
-        cluster.task_status = TaskState.SUCCEEDED if code == 0 else TaskState.FAILED
-        cluster.exit_code = code
-        cluster.task_end_time = now
-        self._publish(EventKind.TASK_STATUS_CHANGED, cluster, now, f"run exited with {code}")
-        self._end_if_terminating(cluster, now)
-
-    def _run_exit_code(self, cluster: Cluster) -> int:
-        """The plan's exit code, or 0 once `exit_code_runs` runs of the task exited with it."""
-        plan = cluster.plan
-        if plan.exit_code_runs <= 0:
-            return plan.exit_code
-        key = (cluster.job_id, cluster.task_id)
-        runs = self._failing_runs.get(key, 0)
-        if runs >= plan.exit_code_runs:
-            return 0
-        self._failing_runs[key] = runs + 1
-        return plan.exit_code
-
-    def _end_if_terminating(self, cluster: Cluster, now: float) -> None:
-        """A graceful terminate ends as soon as there is no live task left to wait for."""
-        if cluster.kill_at is not None and not cluster.task_live:
-            self._terminate(cluster, now, replaced=False)
-
-    def _release(self, cluster: Cluster) -> None:
-        if cluster.live:
-            self.regions[cluster.region].give(cluster.zone, cluster.spot, cluster.num_nodes)
-            self._live -= 1
-
-    def _announce(self, cluster: Cluster, now: float, notice: float, message: str) -> float | None:
-        """Reclaims the live cluster after `notice` simulated seconds (0: now).
-
-        Returns:
-            The reclaim's simulated deadline when it was announced, else None.
-        """
-        if notice <= 0:
-            self._preempt(cluster, now, message)
-            return None
-        deadline = now + notice
-        if cluster.notice_deadline is not None and cluster.notice_deadline <= deadline:
-            # Already announced for no later: the first notice stands.
-            return cluster.notice_deadline
-        cluster.notice_deadline = deadline
-        self._notices += 1
-        self._publish(
-            EventKind.PREEMPTION_NOTICE,
-            cluster,
-            now,
-            f"preemption notice: reclaimed in {notice:g}s ({message})",
-        )
-        self._schedule(deadline, _RECLAIM, cluster, message)
-        return deadline
-
-    def _preempt(self, cluster: Cluster, now: float, message: str) -> None:
-        self._release(cluster)
-        cluster.status = ClusterState.DOWN
-        cluster.preempted = True
-        cluster.preempt_time = now
-        self._preempted += 1
-        self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, message)
-        self._settle(cluster)
-        # A graceful terminate has nothing left to wait for.
-        self._end_if_terminating(cluster, now)
-
-    def _terminate(self, cluster: Cluster, now: float, replaced: bool) -> None:
-        self._release(cluster)
-        cluster.status = ClusterState.TERMINATED
-        cluster.terminate_time = now
-        cluster.replaced = replaced
-        cluster.kill_at = None
-        self._terminated += 1
-        self._replaced += int(replaced)
-        message = "terminated: replaced by a new launch" if replaced else "terminated"
-        self._publish(EventKind.CLUSTER_STATUS_CHANGED, cluster, now, message)
-        self._settle(cluster)
-        if cluster.gone is not None and not cluster.gone.done():
-            cluster.gone.set_result(None)
-
-    def _settle(self, cluster: Cluster) -> None:
-        """Lets a Launch waiting on this cluster return (UP) or fail (anything else)."""
-        if cluster.waiter is not None and not cluster.waiter.done():
-            cluster.waiter.set_result(None)
-
-    def _publish(self, kind: EventKind, cluster: Cluster, now: float, message: str) -> None:
-        cluster.event_seq = self.events.publish(now, kind, cluster, message).seq
-
     # --- the operator API --------------------------------------------------------------------
-
-    def region(self, name: str) -> Region:
-        region = self.regions.get(name)
-        if region is None:
-            raise NotFound(
-                f"unknown region {bounds.quote(name)} (regions: {', '.join(self.regions)})",
-                field="region",
-            )
-        return region
-
-    def preempt_cluster(self, name: str, notice: float = 0.0) -> tuple[bool, float | None]:
-        """Preempts the cluster, now or after a notice of `notice` simulated seconds.
-
-        Returns:
-            Whether it was INIT or UP, and the reclaim's simulated deadline when announced.
-        """
-        cluster = self.get(name)
-        if not cluster.live:
-            return False, None
-        return True, self._announce(cluster, self.clock.now(), notice, "preempted by the operator")
-
-    def preempt_region(
-        self, name: str, include_on_demand: bool = False, notice: float = 0.0
-    ) -> tuple[list[str], float | None]:
-        """Preempts every live spot (and optionally on-demand) cluster of the region.
-
-        Returns:
-            The clusters hit, and the reclaims' simulated deadline when announced.
-        """
-        self.region(name)
-        now = self.clock.now()
-        hit = [
-            c
-            for c in self._by_name.values()
-            if c.live and c.region == name and (c.spot or include_on_demand)
-        ]
-        for cluster in sorted(hit, key=lambda c: c.cluster_id):
-            self._announce(cluster, now, notice, f"preempted with region {name}")
-        return [c.name for c in hit], (now + notice if hit and notice > 0 else None)
 
     def set_capacity(self, name: str, spot: int | None, on_demand: int | None) -> Region:
         region = self.region(name)
@@ -713,9 +313,9 @@ class Cloud:
             terminated_total=self._terminated,
             preempted_total=self._preempted,
             replaced_total=self._replaced,
-            stale_launches_rejected=self._stale,
-            stale_terminates_rejected=self._stale_terminates,
-            stale_notices_rejected=self._stale_notices,
+            stale_launches_rejected=self.fence.stale_launches,
+            stale_terminates_rejected=self.fence.stale_terminates,
+            stale_notices_rejected=self.fence.stale_notices,
             preemption_notices_total=self._notices,
             notices_delivered_total=self._delivered,
             launches_rejected_precheck=self._prechecks,
@@ -724,9 +324,3 @@ class Cloud:
             head_seq=self.events.head_seq,
             unreachable_until=self.unreachable_until if self.unreachable_until > now else None,
         )
-
-
-def _iso(unix_seconds: float) -> str:
-    """A Unix time as UTC ISO 8601 to the second, as the notice file's reader would print it."""
-    moment = datetime.datetime.fromtimestamp(unix_seconds, datetime.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%SZ")

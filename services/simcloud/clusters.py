@@ -68,8 +68,6 @@ TASK_FINISHED = frozenset({TaskState.SUCCEEDED, TaskState.FAILED, TaskState.FAIL
 DEFAULT_RUNTIME_SECONDS = 1.0
 # Signal notes kept in one cluster's log; later ones are recorded but not logged.
 MAX_NOTES = 16
-# Calls (terminate, stop, notice) kept in one cluster's record; later ones are counted.
-MAX_CALLS = 32
 
 
 class TaskPlan:
@@ -208,7 +206,8 @@ class Cluster:
         self.exit_at: float | None = None
         # (plan lines emitted before it, text) for each signal note in the log.
         self.notes: list[tuple[int, str]] | None = None
-        # (kind, epoch, simulated time) of each terminate, stop and notice let through.
+        # (kind, epoch, simulated time) of each terminate, stop and notice let through
+        # (fence.py keeps it).
         self.calls: list[tuple[CallKind, int, float]] | None = None
         self.calls_dropped = 0
         # Resolved when the launch completes or fails; the Launch RPC awaits it.
@@ -243,16 +242,6 @@ class Cluster:
         """When it stopped being live (preempted or terminated); inf while live."""
         ends = [t for t in (self.preempt_time, self.terminate_time) if t is not None]
         return min(ends) if ends else math.inf
-
-    def record_call(self, kind: CallKind, epoch: int, now: float) -> None:
-        """Keeps a call the fence let through, with the epoch it carried (the record shows
-        a stale one the fence could not refuse)."""
-        calls = self.calls if self.calls is not None else []
-        if len(calls) < MAX_CALLS:
-            calls.append((kind, epoch, now))
-        else:
-            self.calls_dropped += 1
-        self.calls = calls
 
     # --- the log -------------------------------------------------------------------------
 

@@ -6,6 +6,7 @@ the model holds can make a reply fail to serialize.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from google.protobuf import timestamp_pb2
@@ -13,6 +14,7 @@ from google.protobuf import timestamp_pb2
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from services.simcloud import bounds
 from services.simcloud.clock import Clock
+from services.simcloud.cloud import Cloud
 from services.simcloud.clusters import DEFAULT_RUNTIME_SECONDS, Cluster, TaskPlan
 from services.simcloud.events import Event
 from services.simcloud.regions import LaunchSpec, Region
@@ -145,4 +147,19 @@ def region(r: Region) -> pb.Region:
         preemptions_per_hour=r.preemptions_per_hour,
         failing_launches=r.failing_launches,
         notice_seconds=r.notice_seconds,
+    )
+
+
+def cloud_state(cloud: Cloud) -> pb.GetCloudStateResponse:
+    """The cloud's counters and regions, as GetCloudState answers."""
+    counters = dataclasses.asdict(cloud.state())
+    # The fields of `CloudState` are the response's, but for one time.
+    until = counters.pop("unreachable_until")
+    return pb.GetCloudStateResponse(
+        start_time=timestamp(cloud.clock, 0.0),
+        time_scale=cloud.clock.time_scale,
+        seed=cloud.config.seed,
+        regions=[region(r) for r in cloud.regions.values()],
+        unreachable_until_time=timestamp(cloud.clock, until),
+        **counters,
     )

@@ -14,13 +14,9 @@ from services.common.security.edge import ServerSecurity
 from services.common.server import Server
 from services.simcloud.clock import Clock
 from services.simcloud.cloud import Cloud
+from services.simcloud.cloud_api import CLOUD_SERVICE, SimCloudServicer
 from services.simcloud.config import CloudConfig
-from services.simcloud.service import (
-    CLOUD_SERVICE,
-    OPERATOR_SERVICE,
-    SimCloudServicer,
-    SimOperatorServicer,
-)
+from services.simcloud.operator_api import OPERATOR_SERVICE, SimOperatorServicer
 
 
 @dataclasses.dataclass

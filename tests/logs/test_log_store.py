@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.logs import store as store_module
+from services.logs import durable
+from services.logs.reading import read_bytes
 from services.logs.store import LogStore
 
 
@@ -34,7 +35,7 @@ async def test_logs_saved_at_once_share_thread_trips_and_each_lands_whole(tmp_pa
         assert [(s.attempt, s.cluster_name, s.size) for s in stored.sections] == [
             (1, f"mj-{job}-0", len(b"log %d\n" % job))
         ]
-        assert store.read_bytes(stored.path, 0, stored.size) == b"log %d\n" % job
+        assert read_bytes(stored.path, 0, stored.size) == b"log %d\n" % job
     assert temporary_files(tmp_path) == []
 
 
@@ -62,12 +63,12 @@ async def test_a_second_attempt_joins_the_first_and_gets_an_index(tmp_path: Path
     assert (tmp_path / "1" / "task-0.sections.json").exists()
     section = stored.section(2)
     assert section is not None
-    assert store.read_bytes(stored.path, section.offset, section.end) == b"second\n"
+    assert read_bytes(stored.path, section.offset, section.end) == b"second\n"
 
 
 def test_the_c_librarys_syncfs_is_found_on_linux() -> None:
     if sys.platform.startswith("linux"):
-        assert store_module._syncfs is not None
+        assert durable._syncfs is not None
 
 
 class Syncs:
@@ -76,7 +77,7 @@ class Syncs:
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch, syncfs_answer: int = 0):
         self.filesystems = 0
         self.files: list[Path] = []
-        real_fsync = store_module._fsync
+        real_fsync = durable._fsync
 
         def syncfs(fd: int) -> int:
             assert list(root.rglob("*.log")) == []  # nothing in place yet
@@ -89,8 +90,8 @@ class Syncs:
             self.files.append(path)
             real_fsync(path)
 
-        monkeypatch.setattr(store_module, "_syncfs", syncfs)
-        monkeypatch.setattr(store_module, "_fsync", fsync)
+        monkeypatch.setattr(durable, "_syncfs", syncfs)
+        monkeypatch.setattr(durable, "_fsync", fsync)
 
 
 async def save(store: LogStore, jobs: range) -> None:
@@ -103,7 +104,7 @@ def assert_saved(store: LogStore, jobs: range) -> None:
     for job in jobs:
         stored = store.task_log(job, 0)
         assert stored is not None
-        assert store.read_bytes(stored.path, 0, stored.size) == b"log %d\n" % job
+        assert read_bytes(stored.path, 0, stored.size) == b"log %d\n" % job
     assert temporary_files(store.root) == []
 
 
@@ -114,7 +115,7 @@ async def test_a_trip_of_several_logs_syncs_their_filesystem_once(
     a lone log is synced alone."""
     syncs = Syncs(tmp_path, monkeypatch)
     store = LogStore(tmp_path)
-    jobs = range(1, store_module.SYNC_AT_ONCE * 3)
+    jobs = range(1, durable.SYNC_AT_ONCE * 3)
     await save(store, jobs)
     assert store._writes.batches == syncs.filesystems == 1
     assert syncs.files == []
@@ -133,9 +134,9 @@ async def test_without_a_working_syncfs_every_file_is_synced_alone(
     own before it takes its place, and every log lands."""
     syncs = Syncs(tmp_path, monkeypatch, syncfs_answer=-1)
     if syncfs == "missing":
-        monkeypatch.setattr(store_module, "_syncfs", None)
+        monkeypatch.setattr(durable, "_syncfs", None)
     store = LogStore(tmp_path)
-    jobs = range(1, store_module.SYNC_AT_ONCE * 2)
+    jobs = range(1, durable.SYNC_AT_ONCE * 2)
     await save(store, jobs)
     assert sorted(p.parent.name for p in syncs.files) == sorted(str(job) for job in jobs)
     assert_saved(store, jobs)

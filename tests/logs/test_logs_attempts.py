@@ -25,6 +25,7 @@ from harness.logs_harness import (
 )
 from managedjobs.v1 import job_pb2
 from services.logs import RECOVERED_MARKER, LogStore
+from services.logs.reading import read_bytes
 
 C = "mj-1-0"  # every attempt of job 1's task 0 runs on a cluster of this name
 FAILED = job_pb2.JOB_STATUS_FAILED
@@ -105,7 +106,7 @@ async def test_attempts_stay_in_order_whatever_order_they_were_fetched_in(
     assert [(s.attempt, s.size) for s in stored.sections] == [(1, 6), (2, 7)]
     second = stored.section(2)
     assert second is not None
-    assert store.read_bytes(stored.path, second.offset, second.end) == b"second\n"
+    assert read_bytes(stored.path, second.offset, second.end) == b"second\n"
     assert stored.section(3) is None and stored.start_of(3) is None
 
 

@@ -28,7 +28,8 @@ from services.common.security.edge import ServerSecurity
 from services.common.server import Server
 from services.logs import RECOVERED_MARKER, LogStore
 from services.logs.main import SETTINGS
-from services.logs.store import CHUNK_BYTES, OPEN_APPENDERS
+from services.logs.reading import CHUNK_BYTES, tail_offset
+from services.logs.store import OPEN_APPENDERS
 
 
 @pytest.fixture
@@ -395,26 +396,24 @@ def test_controller_logs_stay_whole_past_the_open_files_kept(tmp_path: Path) -> 
 
 
 def test_tail_offset_within_a_range(tmp_path: Path) -> None:
-    store = LogStore(tmp_path)
     path = tmp_path / "sections.log"
     path.write_bytes(b"a1\na2\n" + b"b1\nb2\nb3\n" + b"c1\n")
     start, end = 6, 15  # the b lines
-    assert path.read_bytes()[store.tail_offset(path, 2, start, end) : end] == b"b2\nb3\n"
-    assert store.tail_offset(path, 10, start, end) == start
-    assert store.tail_offset(path, 0, start, end) == start
-    assert store.tail_offset(tmp_path / "missing", 3, start, end) == start
+    assert path.read_bytes()[tail_offset(path, 2, start, end) : end] == b"b2\nb3\n"
+    assert tail_offset(path, 10, start, end) == start
+    assert tail_offset(path, 0, start, end) == start
+    assert tail_offset(tmp_path / "missing", 3, start, end) == start
 
 
 def test_tail_offset_spans_chunks(tmp_path: Path) -> None:
-    store = LogStore(tmp_path)
     path = tmp_path / "big.log"
     lines = [f"{i:07d}\n".encode() for i in range(3 * CHUNK_BYTES // 8)]
     path.write_bytes(b"".join(lines))
     for count in (1, 2, CHUNK_BYTES // 8 + 3, len(lines), len(lines) + 1):
-        start = store.tail_offset(path, count)
+        start = tail_offset(path, count)
         assert path.read_bytes()[start:] == b"".join(lines[-count:])
     path.write_bytes(b"no newline\nat the end")
-    assert path.read_bytes()[store.tail_offset(path, 1) :] == b"at the end"
+    assert path.read_bytes()[tail_offset(path, 1) :] == b"at the end"
 
 
 def test_settings_have_unique_flags_and_env_vars() -> None:

@@ -38,10 +38,11 @@ from services.common.security.edge import ServerSecurity
 from services.controller.fencing import LeaseGuard
 from services.controller.link import LeaseLost
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
-from services.simcloud.clusters import MAX_CALLS, CallKind, ClusterState, TaskPlan, TaskState
+from services.simcloud.clusters import CallKind, ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
 from services.simcloud.errors import NoCapacity, PrecheckFailed, PrecheckInvalid, StaleEpoch
 from services.simcloud.events import EventKind
+from services.simcloud.fence import MAX_CALLS
 from services.simcloud.regions import LaunchSpec
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,10 +1,11 @@
-"""The sim cloud's gRPC servicers: the cloud API and the operator API.
+"""The cloud API the `sim` backend calls (SimCloudService): launches, reads, terminations.
 
 Handlers check every field of a request against bounds.py first (INVALID_ARGUMENT
-naming the field), then translate messages to the model and back; every error is
-an `ApiError` raised by the model or the checks and mapped at this edge by
-`rpc_errors`. The cloud API honours injected outages (UNAVAILABLE); the operator
-API always answers, so a test can end the outage it started (ResetFaults).
+naming the field), then translate messages to the model and back (convert.py);
+every error is an `ApiError` raised by the model or the checks and mapped at this
+edge by `rpc_errors`. Every call honours an injected outage (UNAVAILABLE). A
+batched call (LaunchClusters, TerminateClusters) answers each of its calls as
+that call alone would have been answered.
 
 Streams hold no state of their own beyond a cursor: ReadLogs recomputes the log
 of its cluster record, WatchEvents reads the event ring after its last seq.
@@ -15,7 +16,6 @@ line is due.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -40,12 +40,9 @@ log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 CLOUD_SERVICE = "managedjobs.simcloud.v1.SimCloudService"
-OPERATOR_SERVICE = "managedjobs.simcloud.v1.SimOperatorService"
 LOG_CHUNK = 64 * 1024
 # The log bytes one GetLogs answer carries at most (gRPC's limit on a message is 4 MiB).
 GET_LOGS_BYTES = 3 * 1024 * 1024
-DEFAULT_PAGE = 1000
-_PAGE_TOKEN_RE = re.compile(r"[0-9]{1,19}")
 
 
 class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
@@ -96,10 +93,7 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
     async def GetClusters(
         self, request: pb.GetClustersRequest, context: Context
     ) -> pb.GetClustersResponse:
-        names = request.cluster_names
-        if not names:
-            raise InvalidArgument("cluster_names: name at least one cluster", field="cluster_names")
-        bounds.names(names, "cluster_names", bounds.MAX_NAMES_PER_CALL)
+        names = _cluster_names(request.cluster_names)
         self.cloud.check_reachable()
         reply = pb.GetClustersResponse()
         for name in dict.fromkeys(names):
@@ -194,10 +188,7 @@ class SimCloudServicer(pb_grpc.SimCloudServiceServicer):
 
     @rpc_errors
     async def GetLogs(self, request: pb.GetLogsRequest, context: Context) -> pb.GetLogsResponse:
-        names = request.cluster_names
-        if not names:
-            raise InvalidArgument("cluster_names: name at least one cluster", field="cluster_names")
-        bounds.names(names, "cluster_names", bounds.MAX_NAMES_PER_CALL)
+        names = _cluster_names(request.cluster_names)
         self.cloud.check_reachable()
         now = self.cloud.clock.now()
         reply = pb.GetLogsResponse()
@@ -260,142 +251,12 @@ def _terminate_grace(request: pb.TerminateRequest, prefix: str = "") -> float:
     return bounds.number(request.grace_seconds, prefix + "grace_seconds")
 
 
-class SimOperatorServicer(pb_grpc.SimOperatorServiceServicer):
-    """Chaos, capacity and the inventory, for tests and demos."""
-
-    def __init__(self, cloud: Cloud) -> None:
-        self.cloud = cloud
-
-    @rpc_errors
-    async def PreemptCluster(
-        self, request: pb.PreemptClusterRequest, context: Context
-    ) -> pb.PreemptClusterResponse:
-        bounds.name(request.cluster_name, "cluster_name")
-        notice = bounds.number(request.notice_seconds, "notice_seconds")
-        preempted, deadline = self.cloud.preempt_cluster(request.cluster_name, notice)
-        log.info(
-            "preempt cluster",
-            extra={"cluster": request.cluster_name, "hit": preempted, "notice": notice},
-        )
-        return pb.PreemptClusterResponse(
-            preempted=preempted, deadline=convert.timestamp(self.cloud.clock, deadline)
-        )
-
-    @rpc_errors
-    async def PreemptRegion(
-        self, request: pb.PreemptRegionRequest, context: Context
-    ) -> pb.PreemptRegionResponse:
-        bounds.name(request.region, "region")
-        notice = bounds.number(request.notice_seconds, "notice_seconds")
-        names, deadline = self.cloud.preempt_region(
-            request.region, request.include_on_demand, notice
-        )
-        log.info(
-            "preempt region",
-            extra={"region": request.region, "clusters": len(names), "notice": notice},
-        )
-        return pb.PreemptRegionResponse(
-            cluster_names=names, deadline=convert.timestamp(self.cloud.clock, deadline)
-        )
-
-    @rpc_errors
-    async def SetCapacity(
-        self, request: pb.SetCapacityRequest, context: Context
-    ) -> pb.SetCapacityResponse:
-        bounds.name(request.region, "region")
-        region = self.cloud.set_capacity(
-            request.region,
-            request.spot_nodes if request.HasField("spot_nodes") else None,
-            request.on_demand_nodes if request.HasField("on_demand_nodes") else None,
-        )
-        log.info(
-            "capacity set",
-            extra={"region": region.name, "spot": region.spot_capacity},
-        )
-        return pb.SetCapacityResponse(region=convert.region(region))
-
-    @rpc_errors
-    async def InjectFaults(
-        self, request: pb.InjectFaultsRequest, context: Context
-    ) -> pb.InjectFaultsResponse:
-        bounds.name(request.region, "region", optional=True)
-        self.cloud.inject_faults(
-            region=request.region,
-            launch_latency=(
-                request.launch_latency_seconds
-                if request.HasField("launch_latency_seconds")
-                else None
-            ),
-            fail_next_launches=request.fail_next_launches,
-            unreachable_seconds=request.unreachable_seconds,
-            preemptions_per_hour=(
-                request.preemptions_per_hour if request.HasField("preemptions_per_hour") else None
-            ),
-            notice_seconds=(request.notice_seconds if request.HasField("notice_seconds") else None),
-        )
-        log.info("faults injected", extra={"region": request.region or "*"})
-        return pb.InjectFaultsResponse()
-
-    @rpc_errors
-    async def ResetFaults(
-        self, request: pb.ResetFaultsRequest, context: Context
-    ) -> pb.ResetFaultsResponse:
-        bounds.name(request.region, "region", optional=True)
-        regions = self.cloud.reset_faults(request.region)
-        log.info("faults reset", extra={"region": request.region or "*"})
-        return pb.ResetFaultsResponse(regions=[convert.region(r) for r in regions])
-
-    @rpc_errors
-    async def ListInventory(
-        self, request: pb.ListInventoryRequest, context: Context
-    ) -> pb.ListInventoryResponse:
-        size = bounds.integer(request.page_size, "page_size", 0, bounds.MAX_PAGE) or DEFAULT_PAGE
-        token = request.page_token
-        start = int(token) if _PAGE_TOKEN_RE.fullmatch(token) else -1
-        if token and not 0 <= start <= len(self.cloud.inventory):
-            raise InvalidArgument(
-                f"page_token: not a token this cloud gave, got {bounds.quote(token)}",
-                field="page_token",
-            )
-        start = max(start, 0)
-        job_id = request.job_id if request.HasField("job_id") else None
-        if job_id is not None:
-            bounds.integer(job_id, "job_id")
-        clusters, next_start = self.cloud.list_inventory(start, size, job_id)
-        return pb.ListInventoryResponse(
-            clusters=[convert.cluster(self.cloud.clock, c) for c in clusters],
-            next_page_token="" if next_start is None else str(next_start),
-        )
-
-    @rpc_errors
-    async def GetCloudState(
-        self, request: pb.GetCloudStateRequest, context: Context
-    ) -> pb.GetCloudStateResponse:
-        state = self.cloud.state()
-        clock = self.cloud.clock
-        return pb.GetCloudStateResponse(
-            start_time=convert.timestamp(clock, 0.0),
-            sim_seconds=state.sim_seconds,
-            time_scale=clock.time_scale,
-            seed=self.cloud.config.seed,
-            regions=[convert.region(r) for r in self.cloud.regions.values()],
-            live_clusters=state.live_clusters,
-            unterminated_clusters=state.unterminated_clusters,
-            launched_total=state.launched_total,
-            terminated_total=state.terminated_total,
-            preempted_total=state.preempted_total,
-            replaced_total=state.replaced_total,
-            stale_launches_rejected=state.stale_launches_rejected,
-            stale_terminates_rejected=state.stale_terminates_rejected,
-            stale_notices_rejected=state.stale_notices_rejected,
-            preemption_notices_total=state.preemption_notices_total,
-            notices_delivered_total=state.notices_delivered_total,
-            launches_rejected_precheck=state.launches_rejected_precheck,
-            launches_without_capacity=state.launches_without_capacity,
-            violations=state.violations,
-            head_seq=state.head_seq,
-            unreachable_until_time=convert.timestamp(clock, state.unreachable_until),
-        )
+def _cluster_names(names: Sequence[str]) -> Sequence[str]:
+    """The 1 to `MAX_NAMES_PER_CALL` clusters a read names."""
+    if not names:
+        raise InvalidArgument("cluster_names: name at least one cluster", field="cluster_names")
+    bounds.names(names, "cluster_names", bounds.MAX_NAMES_PER_CALL)
+    return names
 
 
 def _batch_size(calls: int) -> None:
