@@ -38,23 +38,27 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime as dt
 import re
 import shutil
-import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
-from harness.history import CloudCounters, EventRecord, History, expected_counters
+from harness.history import (
+    ClientCancels,
+    CloudCounters,
+    EventRecord,
+    History,
+    expected_counters,
+)
 from harness.identities import Identities, make_identities
 from harness.lifecycle_harness import fast_config
-from harness.reliability import cluster_record, reported_counters
+from harness.reliability import Database, cluster_record, reported_counters
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as spb_grpc
 from managedjobs.v1 import (
@@ -197,6 +201,10 @@ class Snapshot:
     # Live replicas' own state, by controller id (None: it did not answer).
     controllers: dict[str, controller_service_pb2.GetControllerStateResponse | None]
     listed: set[int]
+    # The cancels the test sent and those the answers named as cancelled.
+    cancels: ClientCancels
+    # Counter differences the scheduler's reconcile fixed, over every life of it.
+    corrections: int
 
     def clusters_of(self, job_id: int) -> list[spb.Cluster]:
         return [c for c in self.clusters if c.job_id == job_id]
@@ -207,17 +215,22 @@ class Snapshot:
         found = [c for c in self.clusters if c.name == name]
         return max(found, key=lambda c: c.cluster_id) if found else None
 
-    def history(self, job_ids: set[int]) -> History:
-        """The record as the history checker reads it, judging `job_ids`."""
+    def history(self, tasks: Mapping[int, int]) -> History:
+        """The record as the history checker reads it, judging the jobs of `tasks` (job id:
+        how many tasks it was submitted with)."""
         return History(
             events=self.events,
             clusters=[cluster_record(c) for c in self.clusters],
-            job_ids=sorted(job_ids),
+            job_ids=sorted(tasks),
             cloud=CloudCounters(
                 stale_launches_rejected=self.cloud.stale_launches_rejected,
                 stale_terminates_rejected=self.cloud.stale_terminates_rejected,
+                stale_notices_rejected=self.cloud.stale_notices_rejected,
                 unterminated_clusters=self.cloud.unterminated_clusters,
             ),
+            tasks=tasks,
+            counter_corrections=self.corrections,
+            cancels=self.cancels,
         )
 
     def fingerprint(self) -> tuple[Any, ...]:
@@ -230,62 +243,31 @@ class Snapshot:
         )
 
 
-def _status(value: str) -> JobStatus:
-    return JobStatus[value]
-
-
-def _seconds(value: str) -> float:
-    when = dt.datetime.fromisoformat(value)
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)
-    return when.timestamp()
-
-
 class Tables:
-    """Reads the scheduler's SQLite file directly: the database is the only truth."""
+    """The scheduler's tables, read from its SQLite file (the database is the only truth):
+    the jobs and their tasks at each reading, the events as they come (with epochs)."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.db = Database(f"sqlite:///{path}")
         self._events: list[EventRecord] = []
 
     def read(self) -> tuple[dict[int, JobRow], dict[tuple[int, int], TaskRow], list[EventRecord]]:
-        """The jobs, their tasks and every event so far, in one read transaction."""
-        after = self._events[-1].event_id if self._events else 0
-        with contextlib.closing(sqlite3.connect(self.path, timeout=10)) as conn:
-            conn.execute("BEGIN")
-            jobs = {
-                int(i): JobRow(
-                    int(i), _status(s), ScheduleState[st], int(t), c, int(e or 0), bool(cr)
-                )
-                for i, s, st, t, c, e, cr in conn.execute(
-                    "SELECT id, status, schedule_state, current_task, controller_id, epoch, "
-                    "cancel_requested FROM jobs"
-                )
-            }
-            tasks = {
-                (int(j), int(t)): TaskRow(_status(s), int(rs), int(rc))
-                for j, t, s, rs, rc in conn.execute(
-                    "SELECT job_id, task_id, status, restart_count, recovery_count FROM tasks"
-                )
-            }
-            rows = conn.execute(
-                "SELECT id, job_id, task_id, status, schedule_state, time, message, epoch "
-                "FROM events WHERE id > ? ORDER BY id",
-                (after,),
-            ).fetchall()
-        self._events += [
-            EventRecord(
-                event_id=int(i),
-                job_id=int(j),
-                task_id=int(t),
-                status=_status(s),
-                schedule_state=ScheduleState[st],
-                time=_seconds(when),
-                message=str(m or ""),
-                epoch=int(e or 0),
+        jobs = {
+            int(i): JobRow(
+                int(i), JobStatus[s], ScheduleState[st], int(t), c, int(e or 0), bool(cr)
             )
-            for i, j, t, s, st, when, m, e in rows
-        ]
+            for i, s, st, t, c, e, cr in self.db.query(
+                "SELECT id, status, schedule_state, current_task, controller_id, epoch, "
+                "cancel_requested FROM jobs"
+            )
+        }
+        tasks = {
+            (int(j), int(t)): TaskRow(JobStatus[s], int(rs), int(rc))
+            for j, t, s, rs, rc in self.db.query(
+                "SELECT job_id, task_id, status, restart_count, recovery_count FROM tasks"
+            )
+        }
+        self._events += self.db.events(self._events[-1].event_id if self._events else 0)
         return jobs, tasks, list(self._events)
 
 
@@ -385,6 +367,10 @@ class World:
         self.clock = JumpClock()
         self._stack = contextlib.AsyncExitStack()
         self._channels: dict[str, grpc.Channel] = {}
+        self._cancels_sent: set[int] = set()
+        self._cancels_answered: set[int] = set()
+        # Corrections made by the scheduler's earlier lives.
+        self._corrections = 0
 
     @classmethod
     def open(cls, replicas: int, spare: int, lease_ttl: float = LEASE_TTL) -> World:
@@ -451,6 +437,7 @@ class World:
     async def _stop_scheduler(self) -> None:
         app, self.scheduler = self.scheduler, None
         if app is not None:
+            self._corrections += app.counters.corrections
             await app.close()
 
     # --- the test's actions (from the test's thread) ------------------------------------------
@@ -475,7 +462,9 @@ class World:
         return int(self.jobs.SubmitJob(request, timeout=10).job_id)
 
     def cancel(self, job_id: int) -> None:
-        self.jobs.CancelJobs(job_service_pb2.CancelJobsRequest(job_ids=[job_id]), timeout=10)
+        self._cancels_sent.add(job_id)
+        request = job_service_pb2.CancelJobsRequest(job_ids=[job_id])
+        self._cancels_answered.update(self.jobs.CancelJobs(request, timeout=10).cancelled_job_ids)
 
     def preempt(self, name: str) -> bool:
         request = spb.PreemptClusterRequest(cluster_name=name)
@@ -551,8 +540,20 @@ class World:
                 controllers[cid] = None
         clusters = self._inventory()
         cloud = self.operator.GetCloudState(spb.GetCloudStateRequest(), timeout=10)
+        corrections = self._corrections + (scheduler.counter_corrections if scheduler else 0)
+        cancels = ClientCancels(frozenset(self._cancels_sent), frozenset(self._cancels_answered))
         return Snapshot(
-            jobs, tasks, events, recount, clusters, cloud, scheduler, controllers, listed
+            jobs,
+            tasks,
+            events,
+            recount,
+            clusters,
+            cloud,
+            scheduler,
+            controllers,
+            listed,
+            cancels,
+            corrections,
         )
 
     def _inventory(self) -> list[spb.Cluster]:

@@ -59,6 +59,7 @@ class JobKind:
     spec: str
     status: JobStatus
     restarts: int = 0
+    tasks: int = 1
 
 
 def _task(name: str, sim: str = "", recovery: str = "") -> str:
@@ -70,7 +71,9 @@ def _task(name: str, sim: str = "", recovery: str = "") -> str:
 
 KINDS = {
     "one": JobKind(_task("one"), S.SUCCEEDED),
-    "chain": JobKind(f"name: chain\n---\n{_task('first')}---\n{_task('second')}", S.SUCCEEDED),
+    "chain": JobKind(
+        f"name: chain\n---\n{_task('first')}---\n{_task('second')}", S.SUCCEEDED, tasks=2
+    ),
     "fails": JobKind(_task("fails", ", exit_code: 1"), S.FAILED),
     "fails-once": JobKind(
         _task("fails-once", ", exit_code: 1, exit_code_runs: 1", "{max_restarts_on_errors: 1}"),
@@ -306,7 +309,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         # its terminal statuses are kept, by `_legal_transitions`.
         found = [
             v
-            for v in check(snap.history(set(self.kinds)))
+            for v in check(snap.history({j: KINDS[k].tasks for j, k in self.kinds.items()}))
             if v.job_id in done or v.job_id is None or v.kind != Kind.TERMINAL_STATUS
         ]
         assert not found, (
