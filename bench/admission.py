@@ -52,7 +52,8 @@ from services.common.security.auth import Role, add_token
 from services.common.security.certs import make_certificates
 from services.common.security.tls import ClientTls
 from services.controller.link import unbatched
-from services.launcher.stack import free_port, wait_serving
+from services.launcher.ports import free_port
+from services.launcher.service import wait_serving
 
 SPEC = "name: bench\nrun: echo hi\n"
 

@@ -46,7 +46,8 @@ from harness.bench.system import (
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.common.channels import ClientSecurity, open_channel, open_sync_channel
-from services.launcher.stack import Stack, free_port
+from services.launcher.ports import free_port
+from services.launcher.stack import Stack
 
 
 async def poisson(stack: Stack, jobs: int, gap: float, seed: int) -> dict[str, object]:
@@ -121,7 +122,7 @@ def sequential_blocking(stack: Stack, jobs: int) -> dict[str, object]:
     """As `sequential`, through the blocking client `mj` uses (`open_sync_channel`)."""
     times = []
     meter = CpuMeter(stack, bench=True)
-    with open_sync_channel(stack.scheduler_address, stack.client_security) as chan:
+    with open_sync_channel(stack.scheduler_address, stack.credentials.client_security) as chan:
         stub = job_service_pb2_grpc.JobServiceStub(chan)
         for _ in range(jobs):
             start = time.perf_counter()

@@ -117,7 +117,9 @@ class Submissions:
 
     def _client(self) -> None:
         stack = self.stack
-        with MjClient(stack.scheduler_address, stack.logs_address, stack.client_security, 10) as mj:
+        with MjClient(
+            stack.scheduler_address, stack.logs_address, stack.credentials.client_security, 10
+        ) as mj:
             while True:
                 with self.changed:
                     index = next(self._next, None)
@@ -211,7 +213,7 @@ def serving(stack: Stack) -> bool:
         reply = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(), timeout=1)
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
-    return one_look(stack.scheduler_address, stack.client_security, look)
+    return one_look(stack.scheduler_address, stack.credentials.client_security, look)
 
 
 def replicas_connected(stack: Stack) -> bool:
@@ -221,7 +223,7 @@ def replicas_connected(stack: Stack) -> bool:
         connected = {r.controller_id for r in state.replicas if r.connected}
         return connected >= {c.name for c in stack.controllers}
 
-    return one_look(stack.scheduler_address, stack.client_security, look)
+    return one_look(stack.scheduler_address, stack.credentials.client_security, look)
 
 
 def restart_scheduler(stack: Stack, client: Client, kill: bool, timeout: float) -> Restart:

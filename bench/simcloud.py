@@ -30,7 +30,8 @@ from managedjobs.simcloud.v1 import simcloud_service_pb2 as pb
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
 from services.common.channels import ClientSecurity, open_channel, open_sync_channel
 from services.common.security.auth import Role, add_token
-from services.launcher.stack import free_port, wait_serving
+from services.launcher.ports import free_port
+from services.launcher.service import wait_serving
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,7 +38,8 @@ from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
 from managedjobs.v1 import job_pb2
 from services.common.event_messages import RESUMED_ON
 from services.common.statuses import ScheduleState
-from services.launcher.stack import Service, Stack
+from services.launcher.service import Service
+from services.launcher.stack import Stack
 
 
 class FaultKind(enum.StrEnum):

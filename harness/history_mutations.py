@@ -79,7 +79,8 @@ from services.common.security.auth import Secrets
 from services.common.security.tls import ClientTls
 from services.common.statuses import JobStatus, ScheduleState
 from services.controller.link import unbatched
-from services.launcher.stack import Service, Stack
+from services.launcher.service import Service
+from services.launcher.stack import Stack
 
 LEASE_TTL = 3.0
 HEARTBEAT = 0.5
@@ -193,7 +194,7 @@ def system(data_dir: Path, admin_url: str, disabled: str, log: Log) -> Iterator[
                 service.wait_serving(60)
             log(f"service logs in {data_dir / 'service-logs'}")
             client = Client(stack)
-            events = EventLog(stack.scheduler_address, stack.client_security).start()
+            events = EventLog(stack.scheduler_address, stack.credentials.client_security).start()
             yield System(stack, proxy, client, events, Database(url), log)
         finally:
             proxy.release()
@@ -323,11 +324,12 @@ class ReplicaStream:
     sends what it is told, keeps its lease with heartbeats, and collects what comes back."""
 
     def __init__(self, stack: Stack, controller_id: str) -> None:
-        assert stack.tls_dir is not None
+        tls_dir = stack.credentials.tls_dir
+        assert tls_dir is not None
         tls = ClientTls.from_files(
-            str(stack.tls_dir / "ca.pem"),
-            str(stack.tls_dir / f"{controller_id}.pem"),
-            str(stack.tls_dir / f"{controller_id}.key"),
+            str(tls_dir / "ca.pem"),
+            str(tls_dir / f"{controller_id}.pem"),
+            str(tls_dir / f"{controller_id}.key"),
         )
         token = TokenSource(path=Secrets.in_data_dir(stack.data_dir).controller(controller_id))
         self.controller_id = controller_id

@@ -78,7 +78,8 @@ from managedjobs.v1 import (
 from managedjobs.v1 import job_service_pb2 as pb
 from services.common.channels import ClientSecurity, open_sync_channel
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
-from services.launcher.stack import Service, Stack
+from services.launcher.service import Service
+from services.launcher.stack import Stack
 
 T = TypeVar("T")
 
@@ -419,7 +420,7 @@ class Client:
         with self._lock:
             if address not in self._channels:
                 self._channels[address] = open_sync_channel(
-                    address, self.stack.client_security, CHANNEL_OPTIONS
+                    address, self.stack.credentials.client_security, CHANNEL_OPTIONS
                 )
             return self._channels[address]
 
@@ -721,7 +722,7 @@ def system(
         )
         log(f"service logs in {data_dir / 'service-logs'}")
         client = Client(stack)
-        events = EventLog(stack.scheduler_address, stack.client_security).start()
+        events = EventLog(stack.scheduler_address, stack.credentials.client_security).start()
         try:
             yield System(stack, client, events, Database(url))
         finally:

@@ -39,7 +39,7 @@ import psutil
 import yaml
 
 from harness.prerequisites import missing
-from services.launcher.stack import free_port
+from services.launcher.ports import free_port
 
 SSHD = Path("/usr/sbin/sshd")
 _COMMENT = "managed-jobs test host, harness pid "

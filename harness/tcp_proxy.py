@@ -21,7 +21,7 @@ import contextlib
 import socket
 import threading
 
-from services.launcher.stack import free_port
+from services.launcher.ports import free_port
 
 CHUNK = 65536
 

@@ -29,7 +29,8 @@ from harness.bench.results import record
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as jpb
 from services.common.channels import open_channel
-from services.launcher.stack import Stack, free_port
+from services.launcher.ports import free_port
+from services.launcher.stack import Stack
 
 # One big region, no launch latency, tasks that run until cancelled.
 CLOUD = """
@@ -151,7 +152,7 @@ def empty_server() -> Iterator[tuple[str, psutil.Process]]:
 
 def channel(stack: Stack, address: str) -> grpc.aio.Channel:
     """An asyncio channel to a service of the system, as its admin (token, TLS if on)."""
-    return open_channel(address, stack.client_security)
+    return open_channel(address, stack.credentials.client_security)
 
 
 def processes(stack: Stack) -> dict[str, psutil.Process]:

@@ -28,6 +28,7 @@ import grpc
 from managedjobs.v1 import log_service_pb2 as pb
 from managedjobs.v1 import log_service_pb2_grpc
 from services.backends import ClusterHandle
+from services.common.background import Background
 from services.common.bounds import MAX_FETCH_BATCH, MAX_LOG_LINE_BYTES
 from services.common.channels import ClientSecurity, open_channel
 from services.common.coalesce import Coalescer
@@ -73,7 +74,7 @@ class LogsClient:
         self._progressed = asyncio.Event()
         self._wake = asyncio.Event()
         self._flush_interval = flush_interval
-        self._task: asyncio.Task[None] | None = None
+        self._shipper = Background("controller-log-shipper", self._ship)
         # One shipment at a time, so that a flush waits for lines already in flight.
         self._flushing = asyncio.Lock()
         # Fetches asked for at once (many jobs ending together) go as one call.
@@ -82,7 +83,7 @@ class LogsClient:
         )
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._ship(), name="controller-log-shipper")
+        self._shipper.start()
 
     def note(self, job_id: int, epoch: int, message: str) -> None:
         """Queues a lifecycle line of a job held at `epoch`."""
@@ -218,8 +219,6 @@ class LogsClient:
         ]
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._shipper.stop()
         await self.flush()
         await self._channel.close()

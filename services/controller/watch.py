@@ -33,6 +33,7 @@ from services.backends import (
     ClusterHandle,
     Observation,
 )
+from services.common.background import Background
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,9 @@ class ClusterWatch:
         self._sleep = sleep
         self._watchers: dict[str, list[Watcher]] = {}
         self._looks: dict[str, tuple[ClusterHandle, list[asyncio.Future[News]]]] = {}
-        self._flush: asyncio.Task[None] | None = None
-        self._task: asyncio.Task[None] | None = None
+        # Looks asked for go together, in batches.
+        self._looker = Background("cluster-looks", self._look_now)
+        self._news = Background("cluster-news", self._follow)
         # Backend calls made for news, for tests and metrics.
         self.observe_calls = 0
 
@@ -158,8 +160,7 @@ class ClusterWatch:
             self._looks[handle.cluster_name] = (handle, [future])
         else:
             entry[1].append(future)
-        if self._flush is None or self._flush.done():
-            self._flush = asyncio.create_task(self._look_now())
+        self._looker.start()
         return await future
 
     async def _look_now(self) -> None:
@@ -197,9 +198,14 @@ class ClusterWatch:
     # --- the source of news ------------------------------------------------------------------
 
     def start(self) -> None:
-        pushes = self._backend.events() is not None
-        run = self._pump() if pushes else self._poll()
-        self._task = asyncio.create_task(run, name="cluster-news")
+        self._news.start()
+
+    async def _follow(self) -> None:
+        """The backend's pushed events where it pushes them; polls where it does not."""
+        if self._backend.events() is None:
+            await self._poll()
+        else:
+            await self._pump()
 
     async def _poll(self) -> None:
         while True:
@@ -233,7 +239,5 @@ class ClusterWatch:
             await self._sleep(1.0)
 
     async def close(self) -> None:
-        for task in (self._task, self._flush):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+        await self._news.stop()
+        await self._looker.stop()

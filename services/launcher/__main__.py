@@ -1,3 +1,3 @@
-from services.launcher.stack import main
+from services.launcher.main import main
 
 main()

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 
 from managedjobs.v1 import job_pb2
+from services.common.background import Background
 from services.common.errors import Unavailable
 from services.logs.directory import JobDirectory, job_over
 
@@ -48,7 +49,7 @@ class JobTracker:
         self._resync_interval = resync_interval
         self._dirty = asyncio.Event()
         self._gone = False
-        self._watch: asyncio.Task[None] | None = None
+        self._watch = Background(f"watch-job-{job_id}", self._consume)
 
     @property
     def over(self) -> bool:
@@ -57,7 +58,7 @@ class JobTracker:
 
     async def start(self) -> job_pb2.Job | None:
         """Starts watching and reads the first snapshot; None when the job is unknown."""
-        self._watch = asyncio.create_task(self._consume(), name=f"watch-job-{self.job_id}")
+        self._watch.start()
         job = await self._directory.get_job(self.job_id)
         if job is None:
             return None
@@ -65,10 +66,7 @@ class JobTracker:
         return job
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            await asyncio.wait([self._watch])
-            self._watch = None
+        await self._watch.stop()
 
     async def wait(self, *wakers: asyncio.Event | asyncio.Future[Any]) -> None:
         """Waits for a job event or any of `wakers` (or the resync interval), then refreshes.

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
+from services.common.background import Background
 from services.common.event_messages import ADMITTED_ON, RESUMED_ON
 from services.common.statuses import ALIVE_STATES, ScheduleState
 from services.scheduler import metrics
@@ -131,7 +132,7 @@ class Admission:
         self.limits = limits
         self.replicas: dict[str, ReplicaInfo] = {}
         self._kick = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._runner = Background("admission", self._run)
         self.passes = 0
         # Assignments of the last step that could not go on a stream: (cid, job, epoch, why).
         self._too_large: list[tuple[str, int, int, str]] = []
@@ -186,12 +187,10 @@ class Admission:
         self._kick.set()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="admission")
+        self._runner.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._runner.stop()
 
     async def _run(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from sqlalchemy import func, select, update
 
+from services.common.background import Background
 from services.common.event_messages import MAX_PENDING_EXCEEDED
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db.models import JobRow
@@ -38,20 +39,18 @@ class PendingDeadlines:
         # Why WAITING jobs wait now, e.g. "no replica has room" (from admission).
         self._waiting_reason = waiting_reason
         self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
+        self._runner = Background("pending-deadlines", self._run)
         self.expired = 0
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="pending-deadlines")
+        self._runner.start()
 
     def soon(self) -> None:
         """A submission may have brought an earlier deadline."""
         self._wake.set()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._runner.stop()
 
     async def _run(self) -> None:
         while True:

@@ -20,6 +20,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from tenacity import AsyncRetrying, retry_if_exception, stop_after_delay, wait_exponential
 
+from services.common.background import Background
 from services.common.errors import ApiError, Unavailable
 from services.scheduler.db import Database, OutcomeUnknown
 
@@ -91,15 +92,13 @@ class DbHealth:
         self._clock = clock
         self._back = asyncio.Event()
         self._back.set()
-        self._task: asyncio.Task[None] | None = None
+        self._prober = Background("db-health", self._probe)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._probe(), name="db-health")
+        self._prober.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._prober.stop()
 
     async def _probe(self) -> None:
         while True:

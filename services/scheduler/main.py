@@ -22,6 +22,7 @@ from collections.abc import Sequence as Seq
 
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from services.common import logs, settings, test_switches
+from services.common.background import Background
 from services.common.errors import register_translator
 from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.security.edge import ServerSecurity, server_security
@@ -174,7 +175,8 @@ class SchedulerApp:
         self.reconcile_interval = reconcile_interval
         self._sleep = sleep
         self._reconcile_now = asyncio.Event()
-        self._reconciler: asyncio.Task[None] | None = None
+        self._reconciler = Background("reconcile", self._reconcile_loop)
+        self._ticker = Background("reconcile-ticker", self._tick)
         self._closed = False
         self.server = Server(host, port, security=security)
         self.job_api = JobApi(
@@ -214,23 +216,18 @@ class SchedulerApp:
         metrics.statuses(await self.store.status_counts())
 
     async def _reconcile_loop(self) -> None:
-        """Reconciles every `reconcile_interval` seconds, and at once when asked to (a write
-        whose outcome was unknown)."""
-        ticker = asyncio.create_task(self._tick(), name="reconcile-ticker")
-        try:
-            while True:
-                await self._reconcile_now.wait()
-                self._reconcile_now.clear()
-                try:
-                    await self.reconcile()
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:
-                    if not is_unreachable(exc):
-                        log.exception("reconcile failed")
-        finally:
-            ticker.cancel()
-            await asyncio.gather(ticker, return_exceptions=True)
+        """Reconciles whenever asked to: every `reconcile_interval` seconds (`_tick`), and at
+        once after a write whose outcome was unknown."""
+        while True:
+            await self._reconcile_now.wait()
+            self._reconcile_now.clear()
+            try:
+                await self.reconcile()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not is_unreachable(exc):
+                    log.exception("reconcile failed")
 
     async def _tick(self) -> None:
         while True:
@@ -252,16 +249,16 @@ class SchedulerApp:
         self.admission.start()
         self.deadlines.start()
         self.health.start()
-        self._reconciler = asyncio.create_task(self._reconcile_loop(), name="reconcile")
+        self._reconciler.start()
+        self._ticker.start()
         return await self.server.start()
 
     async def close(self, grace: float = 0.0) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            await asyncio.gather(self._reconciler, return_exceptions=True)
+        await self._ticker.stop()
+        await self._reconciler.stop()
         await self.health.stop()
         # The replicas' streams end first, as the scheduler's doing: they keep their jobs.
         await self.replicas.close()

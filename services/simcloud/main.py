@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -70,9 +69,7 @@ async def serve(args: argparse.Namespace, config: CloudConfig, security: ServerS
     try:
         await run_until_signal(running.server, args.shutdown_grace)
     finally:
-        running.ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await running.ticker
+        await running.ticker.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -5,11 +5,10 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 
 from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
+from services.common.background import Background
 from services.common.security.edge import ServerSecurity
 from services.common.server import Server
 from services.simcloud.clock import Clock
@@ -25,16 +24,14 @@ class RunningCloud:
 
     cloud: Cloud
     server: Server
-    ticker: asyncio.Task[None]
+    ticker: Background
 
     @property
     def port(self) -> int:
         return self.server.port
 
     async def stop(self, grace: float = 0.0) -> None:
-        self.ticker.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.ticker
+        await self.ticker.stop()
         await self.server.stop(grace)
 
 
@@ -57,10 +54,11 @@ async def start(
         SimOperatorServicer(cloud),
         OPERATOR_SERVICE,
     )
-    ticker = asyncio.create_task(cloud.run(), name="simcloud-timers")
+    ticker = Background("simcloud-timers", cloud.run)
+    ticker.start()
     try:
         await server.start()
     except BaseException:
-        ticker.cancel()
+        await ticker.stop()
         raise
     return RunningCloud(cloud, server, ticker)

@@ -1,6 +1,6 @@
 """Where processes run belongs to the deployment: no service pins its own threads.
 
-Every service, and `make up` (`services.launcher.stack`), runs where the OS puts it; a
+Every service, and `make up` (`python -m services.launcher`), runs where the OS puts it; a
 deployment that wants placement gives it from outside (`taskset`, a container's
 `cpuset`). So none takes a flag for it: a service asked for one refuses it as an
 unknown argument, in one line, with the parser its `main` builds.
@@ -15,7 +15,7 @@ import pytest
 from services.common import settings
 from services.common.settings import Setting
 from services.controller import main as controller
-from services.launcher import stack
+from services.launcher import main as launcher
 from services.logs import main as logs
 from services.scheduler import main as scheduler
 from services.simcloud import main as simcloud
@@ -41,7 +41,7 @@ def test_a_service_refuses_to_be_told_its_cpus(
 
 def test_make_up_lays_out_no_cpus(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exited:
-        stack.main(["--help"])
+        launcher.main(["--help"])
     assert exited.value.code == 0
     usage = capsys.readouterr().out
     assert "--data-dir" in usage and "cpu" not in usage.lower()

@@ -21,8 +21,8 @@ from services.backends.ssh.placement import Need, fits, parse_need, pools_to_try
 from services.backends.ssh.reaper import newest_launches, releases
 from services.backends.ssh.state import HostScan, RankState, Reservation, judge
 from services.common.settings import BACKEND, parse
+from services.launcher.main import main as stack_main
 from services.launcher.stack import Stack
-from services.launcher.stack import main as stack_main
 
 ROOT = Path(__file__).resolve().parents[2]
 

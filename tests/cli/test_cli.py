@@ -32,7 +32,7 @@ from managedjobs.v1 import (
 )
 from services.cli import commands, output, specs, tables
 from services.cli.main import run
-from services.launcher.stack import free_port
+from services.launcher.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 NOW = 1_700_000_000.0
@@ -805,7 +805,7 @@ def test_launch_rides_out_a_scheduler_that_is_not_up_yet(tmp_path: Path) -> None
     """mj launch keys its submission, so it retries safely until the scheduler answers."""
     from services.common.security.auth import Secrets
     from services.common.security.tokens import bootstrap, tokens_path
-    from services.launcher.stack import wait_serving
+    from services.launcher.service import wait_serving
 
     port = free_port()
     spec = tmp_path / "job.yaml"

@@ -16,7 +16,8 @@ from prometheus_client import REGISTRY
 from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
 from services.common.security.edge import ServerSecurity
-from services.launcher.stack import free_port, wait_serving
+from services.launcher.ports import free_port
+from services.launcher.service import wait_serving
 from services.scheduler.admission import Limits
 from services.scheduler.main import SchedulerApp
 

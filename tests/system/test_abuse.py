@@ -82,7 +82,7 @@ class Abuser:
 
     def __init__(self, stack: Stack) -> None:
         self.stack = stack
-        self.admin = ClientSecurity.of(stack.admin_token, None)
+        self.admin = ClientSecurity.of(stack.credentials.admin_token, None)
         self.stranger = ClientSecurity.of("mj_" + "0" * 43, None)
 
     def channel(self, address: str, stranger: bool = False) -> grpc.aio.Channel:

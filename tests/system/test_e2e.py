@@ -80,7 +80,7 @@ def test_grpcurl_submits_a_job_in_json(
 ) -> None:
     body = json.dumps({"spec_yaml": "name: from-grpcurl\nrun: echo via grpcurl\n", "user": "ops"})
     out = subprocess.run(
-        [GRPCURL, "-plaintext", "-H", f"authorization: Bearer {stack.admin_token}",
+        [GRPCURL, "-plaintext", "-H", f"authorization: Bearer {stack.credentials.admin_token}",
          "-d", body, stack.scheduler_address, "managedjobs.v1.JobService/SubmitJob"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip

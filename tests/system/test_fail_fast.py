@@ -3,7 +3,7 @@
 Real processes. A service given a setting it cannot run with (an unknown backend,
 an unreadable config or tokens file, a port another process holds) exits at once
 with one line (`prog: error: ...`), no traceback. The stack (`Stack.start`, and
-`python -m services.launcher.stack`, what `make up` runs) reports the first service that
+`python -m services.launcher`, what `make up` runs) reports the first service that
 exited, with that line, as soon as it exits, and stops every service it had
 started: psutil finds no process of the stack afterwards.
 
@@ -21,7 +21,9 @@ import psutil
 import pytest
 
 from harness.e2e import clean_env, python
-from services.launcher.stack import PORTS_FROM, Stack, StackError, free_port
+from services.launcher.ports import PORTS_FROM, free_port
+from services.launcher.service import StackError
+from services.launcher.stack import Stack
 
 PATIENT = 600.0
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
@@ -92,7 +94,7 @@ def test_make_up_with_an_unreadable_cloud_config_reports_it_and_leaves_nothing(
     config = tmp_path / "a-folder"
     config.mkdir()
     run = python(
-        "-m", "services.launcher.stack", "--backend", "sim",
+        "-m", "services.launcher", "--backend", "sim",
         "--simcloud-config", str(config), "--data-dir", str(data_dir),
     )  # fmt: skip
     assert run.returncode == 1
@@ -108,7 +110,7 @@ def test_make_up_with_an_unreadable_cloud_config_reports_it_and_leaves_nothing(
 def test_make_up_with_an_unknown_backend_is_one_line(tmp_path: Path) -> None:
     run = python(
         "-m",
-        "services.launcher.stack",
+        "services.launcher",
         "--data-dir",
         str(tmp_path),
         env=clean_env(MJ_BACKEND="bogus"),

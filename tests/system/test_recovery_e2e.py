@@ -54,7 +54,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with Stack(
         data, replicas=1, controller_args=CONTROLLER_ARGS, simcloud_args=["--config", str(config)]
     ) as running:
-        assert running.client_security.token is not None  # auth is on, as shipped
+        assert running.credentials.client_security.token is not None  # auth is on, as shipped
         yield running
     assert_no_tracebacks(data)
 

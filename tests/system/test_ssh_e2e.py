@@ -36,7 +36,8 @@ from managedjobs.v1 import controller_service_pb2 as cpb
 from managedjobs.v1 import controller_service_pb2_grpc, job_pb2, job_service_pb2_grpc
 from managedjobs.v1 import job_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
-from services.launcher.stack import Service, Stack
+from services.launcher.service import Service
+from services.launcher.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.sshd]
 

@@ -33,8 +33,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def grpcurl(stack: Stack, *args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
-    assert stack.tls_dir is not None
-    tls = stack.tls_dir
+    assert stack.credentials.tls_dir is not None
+    tls = stack.credentials.tls_dir
     flags = ["-cacert", str(tls / "ca.pem"), "-cert", str(tls / "admin.pem")]
     flags += ["-key", str(tls / "admin.key")]
     if token is not None:
@@ -53,7 +53,7 @@ def test_mj_runs_a_job_over_mtls(stack: Stack) -> None:
 
 def test_grpcurl_with_the_ca_a_certificate_and_a_token(stack: Stack) -> None:
     method = "managedjobs.v1.SchedulerService/GetSchedulerState"
-    answered = grpcurl(stack, stack.scheduler_address, method, token=stack.admin_token)
+    answered = grpcurl(stack, stack.scheduler_address, method, token=stack.credentials.admin_token)
     assert answered.returncode == 0, answered.stderr
     replicas = json.loads(answered.stdout)["replicas"]
     assert [(r["controller_id"], r["connected"]) for r in replicas] == [("controller-1", True)]
@@ -64,8 +64,10 @@ def test_grpcurl_with_the_ca_a_certificate_and_a_token(stack: Stack) -> None:
 
 
 def test_a_client_without_tls_or_without_a_certificate_is_refused(stack: Stack) -> None:
-    assert stack.client_security.tls is not None
-    no_cert = ClientSecurity(None, type(stack.client_security.tls)(stack.client_security.tls.ca))
+    assert stack.credentials.client_security.tls is not None
+    no_cert = ClientSecurity(
+        None, type(stack.credentials.client_security.tls)(stack.credentials.client_security.tls.ca)
+    )
     for security in (ClientSecurity(), no_cert):
         with open_sync_channel(stack.scheduler_address, security) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

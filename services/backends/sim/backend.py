@@ -78,6 +78,7 @@ from services.backends.base import (
     TaskRequest,
     TaskStatus,
 )
+from services.common.background import Background
 from services.common.channels import ClientSecurity, open_channel
 from services.common.coalesce import Coalescer
 from services.common.errors import error_info
@@ -266,7 +267,7 @@ class SimBackend(Backend):
         # From ListRegions, once heard (`load`).
         self._regions: tuple[str, ...] | None = None
         self._time_scale: float | None = None
-        self._loading: asyncio.Task[None] | None = None
+        self._loading = Background("sim-regions", self._load_quietly)
         # Launches asked for at once go as one LaunchClusters call, never waiting for an
         # earlier batch (a launch may take minutes); one done for a caller that gave up
         # meanwhile is torn down.
@@ -558,12 +559,12 @@ class SimBackend(Backend):
 
     def regions(self) -> Sequence[str] | None:
         """The cloud's regions once heard (`load`); None before, while a fetch starts."""
-        if self._regions is None and (self._loading is None or self._loading.done()):
+        if self._regions is None:
             try:
-                loop = asyncio.get_running_loop()
+                asyncio.get_running_loop()
             except RuntimeError:
                 return None
-            self._loading = loop.create_task(self._load_quietly(), name="sim-regions")
+            self._loading.start()
         return self._regions
 
     async def _load_quietly(self) -> None:
@@ -609,10 +610,7 @@ class SimBackend(Backend):
         for task in list(self._teardowns):
             task.cancel()
         await asyncio.gather(*self._teardowns, return_exceptions=True)
-        if self._loading is not None:
-            self._loading.cancel()
-            await asyncio.gather(self._loading, return_exceptions=True)
-            self._loading = None
+        await self._loading.stop()
         if self._channel is not None:
             await self._channel.close()
             self._channel = None

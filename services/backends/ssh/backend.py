@@ -39,6 +39,7 @@ from services.backends.ssh.state import (
     proves_down,
     task_end,
 )
+from services.common.background import Background
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class SSHBackend(Backend):
         self._launches: dict[str, Launch] = {}
         # The highest epoch this instance launched, by job.
         self._epochs: dict[int, int] = {}
-        self._reaper: asyncio.Task[None] | None = None
+        self._reaper = Background("ssh-reaper", self._reap_forever)
 
     # --- launch -------------------------------------------------------------------------------
 
@@ -496,9 +497,8 @@ class SSHBackend(Backend):
         return await reaper.reap(self._fleet, self._launch_timeout + _REAP_MARGIN)
 
     def _start_reaper(self) -> None:
-        if self._reap_interval <= 0 or (self._reaper is not None and not self._reaper.done()):
-            return
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        if self._reap_interval > 0:
+            self._reaper.start()
 
     async def _reap_forever(self) -> None:
         jitter = random.Random()
@@ -512,10 +512,7 @@ class SSHBackend(Backend):
 
     async def close(self) -> None:
         """Stops the reaper and closes every connection."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
-            self._reaper = None
+        await self._reaper.stop()
         await self._fleet.conns.close()
 
 
