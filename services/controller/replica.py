@@ -345,6 +345,12 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         for runner in runners:
             runner.note("lease lost: stopping")
             runner.stop()
+        # Handed back once they have unwound: a launch a runner gave up is rolled back
+        # (terminated, with the runner's epoch) first, so that nothing it does lands after
+        # the scheduler took the job back.
+        await asyncio.gather(
+            *(r.task for r in runners if r.task is not None), return_exceptions=True
+        )
         self.hand_back(runners)
 
     def hand_back(self, runners: Sequence[JobRunner]) -> None:
