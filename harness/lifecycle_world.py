@@ -287,9 +287,28 @@ class Loop:
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
-            future.cancel()
             what = getattr(coro, "__qualname__", "a step")
-            raise AssertionError(f"{what} did not finish within {timeout}s") from None
+            where = self.waiting()
+            future.cancel()
+            raise AssertionError(f"{what} did not finish within {timeout}s:\n{where}") from None
+
+    def waiting(self) -> str:
+        """Where the loop's tasks wait (their innermost frames), for a failure message."""
+
+        async def frames() -> str:
+            lines = []
+            for task in asyncio.all_tasks():
+                places = [
+                    f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"
+                    for f in task.get_stack()[-3:]
+                ]
+                lines.append(f"  {task.get_name()}: {' > '.join(places)}")
+            return "\n".join(sorted(lines))
+
+        try:
+            return asyncio.run_coroutine_threadsafe(frames(), self.loop).result(5)
+        except concurrent.futures.TimeoutError:
+            return "  (the loop does not answer: something blocks it)"
 
     def close(self) -> None:
         """Cancels what is left on the loop, then stops it and its thread."""
@@ -613,16 +632,17 @@ class World:
         return describe_job(snap, job_id, self.folder / "logs" / str(job_id) / "controller.log")
 
     def close(self) -> None:
-        """Stops every server (replicas first), then the loop, and removes the files;
-        idempotent."""
+        """Stops every server, then the loop, and removes the files; idempotent."""
 
         async def close() -> None:
+            # The scheduler first: it ends the replicas' streams itself, so no stream's
+            # end is taken for a replica's death while it shuts down.
+            with contextlib.suppress(Exception):
+                await self._stop_scheduler()
             for cid in list(self.replicas):
                 node = self.replicas.pop(cid)
                 with contextlib.suppress(Exception):
                     await node.stop()
-            with contextlib.suppress(Exception):
-                await self._stop_scheduler()
             await self._stack.aclose()
 
         for channel in self._channels.values():
