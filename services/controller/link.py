@@ -34,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
@@ -64,6 +64,21 @@ def unbatched(
 
 class StreamBroken(Exception):
     """The stream ended; reconnect."""
+
+
+# What a stream attempt may end with that another attempt may cure.
+_RECONNECT = (StreamBroken, grpc.aio.AioRpcError, OSError)
+
+
+def _asked_to_stop() -> bool:
+    """Whether the running task has a cancel pending.
+
+    gRPC may end a call whose task is being cancelled with the call's own error (the
+    scheduler went away at that moment: UNAVAILABLE), so the cancel never surfaces as
+    CancelledError; reconnecting then would keep the link up for good.
+    """
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class Rejected(Exception):
@@ -289,21 +304,30 @@ class Link:
         rather than after the waits of every earlier outage.
         """
         while True:
-            async for attempt in AsyncRetrying(
-                sleep=self._reconnect_sleep,
-                wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
-                retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
-                before_sleep=lambda state: log.warning(
-                    "scheduler stream down; reconnecting",
-                    extra={
-                        "address": self.address,
-                        "attempt": state.attempt_number,
-                        "error": _why(state.outcome.exception() if state.outcome else None),
-                    },
-                ),
-            ):
-                with attempt:
-                    await self._session()
+            try:
+                async for attempt in AsyncRetrying(
+                    sleep=self._reconnect_sleep,
+                    wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
+                    retry=retry_if_exception(
+                        lambda error: isinstance(error, _RECONNECT) and not _asked_to_stop()
+                    ),
+                    before_sleep=lambda state: log.warning(
+                        "scheduler stream down; reconnecting",
+                        extra={
+                            "address": self.address,
+                            "attempt": state.attempt_number,
+                            "error": _why(state.outcome.exception() if state.outcome else None),
+                        },
+                    ),
+                ):
+                    with attempt:
+                        await self._session()
+            except _RECONNECT:
+                if _asked_to_stop():
+                    raise asyncio.CancelledError() from None
+                raise
+            if _asked_to_stop():
+                raise asyncio.CancelledError()
 
     async def _session(self) -> None:
         async with open_channel(self.address, self._security) as channel:
