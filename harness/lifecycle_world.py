@@ -298,11 +298,10 @@ class Loop:
         async def frames() -> str:
             lines = []
             for task in asyncio.all_tasks():
-                places = [
-                    f"{f.f_code.co_name} ({Path(f.f_code.co_filename).name}:{f.f_lineno})"
-                    for f in task.get_stack()[-3:]
-                ]
-                lines.append(f"  {task.get_name()}: {' > '.join(places)}")
+                asked = f" (cancel asked {task.cancelling()}x)" if task.cancelling() else ""
+                lines.append(
+                    f"  {task.get_name()}{asked}: {' > '.join(_awaiting(task.get_coro()))}"
+                )
             return "\n".join(sorted(lines))
 
         try:
@@ -324,6 +323,24 @@ class Loop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
+
+
+def _awaiting(coro: Any) -> list[str]:
+    """Where a coroutine waits: its frame, then what it awaits, down the chain."""
+    places = []
+    while coro is not None:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "ag_frame", None)
+        frame = frame or getattr(coro, "gi_frame", None)
+        if frame is not None:
+            places.append(
+                f"{frame.f_code.co_name} ({Path(frame.f_code.co_filename).name}:{frame.f_lineno})"
+            )
+        coro = (
+            getattr(coro, "cr_await", None)
+            or getattr(coro, "ag_await", None)
+            or getattr(coro, "gi_yieldfrom", None)
+        )
+    return places
 
 
 class ReplicaNode:
