@@ -51,7 +51,7 @@ from services.common.channels import ClientSecurity, open_channel
 from services.common.security.auth import Role, add_token
 from services.common.security.certs import make_certificates
 from services.common.security.tls import ClientTls
-from services.controller.link import unbatched
+from services.controller.messages import unbatched
 from services.launcher.ports import free_port
 from services.launcher.service import wait_serving
 

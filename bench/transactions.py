@@ -45,13 +45,16 @@ from sqlalchemy import Connection, text
 from harness.bench.machine import probe_filesystem
 from harness.bench.results import record
 from harness.bench.system import postgres_database, summary
+from harness.store import move_jobs
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db import Database
 from services.scheduler.events import EventBus
+from services.scheduler.releases import release_replica
 from services.scheduler.reports import Reports
 from services.scheduler.spec.parse import parse_job_spec
-from services.scheduler.store import NewJob, Store
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
 
 SELECT = text("SELECT 1")
 
@@ -102,8 +105,8 @@ async def batches(url: str, size: int, rounds: int, synchronous: str) -> dict[st
             ]
             ids = [job_id for job_id, _ in await store.submit_many(new)]
             start = time.process_time()
-            moves = await store.move_many(
-                ids, ScheduleState.WAITING, ScheduleState.LAUNCHING, assign_to="c1"
+            moves = await move_jobs(
+                store, ids, ScheduleState.WAITING, ScheduleState.LAUNCHING, assign_to="c1"
             )
             cpu["move"] += time.process_time() - start
             for status, name in ((JobStatus.STARTING, "starting"), (JobStatus.RUNNING, "running")):
@@ -114,7 +117,7 @@ async def batches(url: str, size: int, rounds: int, synchronous: str) -> dict[st
                 if not all(ack.accepted for ack in applied.acks):
                     raise RuntimeError(f"a {name} report was refused: {applied.acks[0]}")
             start = time.process_time()
-            await reports.release_replica("c1", ids)
+            await release_replica(store, "c1", ids)
             cpu["release"] += time.process_time() - start
     finally:
         await db.close()

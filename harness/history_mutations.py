@@ -78,7 +78,7 @@ from services.common.event_messages import CANCEL_REQUESTED, RESUMED_ON
 from services.common.security.auth import Secrets
 from services.common.security.tls import ClientTls
 from services.common.statuses import JobStatus, ScheduleState
-from services.controller.link import unbatched
+from services.controller.messages import unbatched
 from services.launcher.service import Service
 from services.launcher.stack import Stack
 

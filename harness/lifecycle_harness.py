@@ -46,10 +46,10 @@ from services.backends import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskRequest,
     TaskStatus,
     cluster_name,
 )
@@ -60,6 +60,7 @@ from services.common.statuses import JobStatus, task_transition_allowed
 from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.lifecycle import JobLifecycle
+from services.controller.messages import TaskReport
 from services.controller.watch import ClusterWatch, News, Watcher
 from services.scheduler.spec.parse import parse_job_spec, resources_summary
 from services.simcloud import CloudConfig, RunningCloud, list_inventory, start
@@ -187,13 +188,8 @@ class Wrapped(BackendWrapper):
     def bend(self, handle: ClusterHandle, seen: Observation) -> Observation:
         return seen
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        return self.launched(await self.inner.launch(request, candidate_regions, blocked_regions))
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        return self.launched(await self.inner.launch(plan))
 
     def launched(self, handle: ClusterHandle) -> ClusterHandle:
         """The handle a launch returned, with what the launch saw bent like every look."""
@@ -250,34 +246,29 @@ class Recorder(Wrapped):
         # Set on every pushed event: proves the event stream is open.
         self.pushed = asyncio.Event()
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         where = ""
-        if candidate_regions:
-            where = "in " + ",".join(candidate_regions)
-        if blocked_regions:
-            where = "not " + ",".join(blocked_regions)
+        if plan.candidate_regions:
+            where = "in " + ",".join(plan.candidate_regions)
+        if plan.blocked_regions:
+            where = "not " + ",".join(plan.blocked_regions)
         granted = self.host is not None and self.host.slot.held
         try:
-            handle = await self.inner.launch(request, candidate_regions, blocked_regions)
+            handle = await self.inner.launch(plan)
         except ResourcesUnavailableError as error:
             outcome = "full: " + ",".join(error.regions_tried)
-            self.launches.append(Launch(request.task_id, where, outcome, granted))
+            self.launches.append(Launch(plan.task_id, where, outcome, granted))
             raise
         except PrecheckError:
-            self.launches.append(Launch(request.task_id, where, "precheck", granted))
+            self.launches.append(Launch(plan.task_id, where, "precheck", granted))
             raise
         except BackendUnreachableError:
-            self.launches.append(Launch(request.task_id, where, "unreachable", granted))
+            self.launches.append(Launch(plan.task_id, where, "unreachable", granted))
             raise
         except BackendError:
-            self.launches.append(Launch(request.task_id, where, "error", granted))
+            self.launches.append(Launch(plan.task_id, where, "error", granted))
             raise
-        self.launches.append(Launch(request.task_id, where, handle.region, granted))
+        self.launches.append(Launch(plan.task_id, where, handle.region, granted))
         return handle
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
@@ -294,7 +285,29 @@ class Recorder(Wrapped):
             yield event
 
 
-class LongFirstRun(Wrapped):
+def with_sim(plan: LaunchPlan, **options: Any) -> LaunchPlan:
+    """The plan with `options` over its sim ones (the spec's `sim` key)."""
+    sim = {**plan.extension("sim"), **options}
+    return dataclasses.replace(plan, extensions={**plan.extensions, "sim": sim})
+
+
+class FirstRunBehaves(Wrapped):
+    """The first cluster of each task behaves as the `sim` options given say; later ones as
+    the spec says."""
+
+    def __init__(self, inner: Backend, **sim: Any) -> None:
+        super().__init__(inner)
+        self._sim = sim
+        self._seen: set[str] = set()
+
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        if plan.cluster_name not in self._seen:
+            self._seen.add(plan.cluster_name)
+            plan = with_sim(plan, **self._sim)
+        return await self.inner.launch(plan)
+
+
+class LongFirstRun(FirstRunBehaves):
     """The first cluster of each task runs until something ends it (the spec applies later).
 
     So that a test can act while the lifecycle watches that cluster, whatever the
@@ -302,39 +315,14 @@ class LongFirstRun(Wrapped):
     """
 
     def __init__(self, inner: Backend) -> None:
-        super().__init__(inner)
-        self._seen: set[str] = set()
-
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        if request.cluster_name not in self._seen:
-            self._seen.add(request.cluster_name)
-            request = dataclasses.replace(request, sim={**request.sim, "runtime_seconds": 1e9})
-        return await self.inner.launch(request, candidate_regions, blocked_regions)
+        super().__init__(inner, runtime_seconds=1e9)
 
 
-class FirstRunExits(Wrapped):
+class FirstRunExits(FirstRunBehaves):
     """The first cluster of each task ends its run with `code`; later ones as the spec says."""
 
     def __init__(self, inner: Backend, code: int) -> None:
-        super().__init__(inner)
-        self._code = code
-        self._seen: set[str] = set()
-
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        if request.cluster_name not in self._seen:
-            self._seen.add(request.cluster_name)
-            request = dataclasses.replace(request, sim={**request.sim, "exit_code": self._code})
-        return await self.inner.launch(request, candidate_regions, blocked_regions)
+        super().__init__(inner, exit_code=code)
 
 
 class NoPush(Wrapped):
@@ -353,16 +341,11 @@ class NeverStartsFirst(Wrapped):
         self._stuck: set[str] = set()
         self._seen: set[str] = set()
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        handle = await self.inner.launch(request, candidate_regions, blocked_regions)
-        if request.cluster_name not in self._seen:
-            self._seen.add(request.cluster_name)
-            self._stuck.add(request.cluster_name)
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        handle = await self.inner.launch(plan)
+        if plan.cluster_name not in self._seen:
+            self._seen.add(plan.cluster_name)
+            self._stuck.add(plan.cluster_name)
         return self.launched(handle)
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
@@ -433,13 +416,8 @@ class Islanded(Wrapped):
         self.cut = False
         self.first: ClusterHandle | None = None
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        handle = await self.inner.launch(request, candidate_regions, blocked_regions)
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        handle = await self.inner.launch(plan)
         self.first = self.first or handle
         return handle
 
@@ -546,10 +524,9 @@ class RecordedSlot:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    task_id: int
-    status: JobStatus
-    message: str
-    fields: dict[str, Any]
+    """A report the lifecycle made."""
+
+    sent: TaskReport
     # Backend calls made for news of clusters before the report (`ClusterWatch.observe_calls`).
     looks: int
 
@@ -635,13 +612,12 @@ class Host:
         self._fired.add(name)
         return hook
 
-    async def report(
-        self, task_id: int, status: JobStatus, message: str = "", **fields: Any
-    ) -> None:
+    async def report(self, report: TaskReport) -> None:
+        task_id, status = report.task_id, report.status
         old = self.current[task_id]
-        if status == old and "condition" in fields:
+        if status == old and report.condition is not None:
             # A condition of the task, not a transition.
-            self.conditions.append((task_id, fields["condition"]))
+            self.conditions.append((task_id, report.condition))
             return
         if status in self.refuse:
             raise self.refuse.pop(status)
@@ -649,7 +625,7 @@ class Host:
         if not task_transition_allowed(old, status):
             raise ValueError(f"task {task_id}: {old.name} -> {status.name} is not allowed")
         self.current[task_id] = status
-        self.reports.append(Report(task_id, status, message, dict(fields), self.hub.observe_calls))
+        self.reports.append(Report(report, self.hub.observe_calls))
         self.timeline.append(("report", str(task_id), status.name))
         if status == S.RUNNING and (hook := self._once("running", self.hooks.at_running)):
             await hook(self.world, self)
@@ -693,10 +669,10 @@ class Host:
     # --- what the test reads ---
 
     def statuses(self, task_id: int) -> list[JobStatus]:
-        return [r.status for r in self.reports if r.task_id == task_id]
+        return [r.sent.status for r in self.reports if r.sent.task_id == task_id]
 
-    def last(self, task_id: int) -> Report:
-        return [r for r in self.reports if r.task_id == task_id][-1]
+    def last(self, task_id: int) -> TaskReport:
+        return [r.sent for r in self.reports if r.sent.task_id == task_id][-1]
 
     def final(self, task_id: int) -> JobStatus:
         return self.current[task_id]
@@ -803,8 +779,8 @@ async def _stream_open(world: World, recorder: Recorder) -> None:
     """Waits until pushed events flow: the stream starts "from now", so probe until one shows."""
     for _ in range(100):
         probe = next(_probe_ids)
-        request = TaskRequest(job_id=probe, task_id=0, epoch=1, cluster_name=f"probe-{probe}")
-        await world.sim.terminate(await world.sim.launch(request))
+        plan = LaunchPlan(job_id=probe, task_id=0, epoch=1, cluster_name=f"probe-{probe}")
+        await world.sim.terminate(await world.sim.launch(plan))
         try:
             await asyncio.wait_for(recorder.pushed.wait(), 0.1)
             return
@@ -816,10 +792,15 @@ async def _stream_open(world: World, recorder: Recorder) -> None:
 async def prelaunch(world: World, job_id: int, task_id: int, sim: Mapping[str, Any]) -> str:
     """Launches a task's cluster as a previous holder of the job (epoch 1) would have."""
     name = cluster_name(job_id, task_id)
-    request = TaskRequest(
-        job_id=job_id, task_id=task_id, epoch=1, cluster_name=name, use_spot=True, sim=sim
+    plan = LaunchPlan(
+        job_id=job_id,
+        task_id=task_id,
+        epoch=1,
+        cluster_name=name,
+        use_spot=True,
+        extensions={"sim": sim},
     )
-    handle = await world.sim.launch(request)
+    handle = await world.sim.launch(plan)
     return handle.region
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from harness.waiting import wait_for as wait_for  # the local backend's tests wait with it
-from services.backends import ClusterHandle, Observation, TaskRequest, TaskStatus
+from services.backends import ClusterHandle, LaunchPlan, Observation, TaskStatus
 from services.backends.local.backend import LocalBackend
 from services.backends.local.cluster import cluster_processes
 
@@ -76,8 +76,8 @@ def unique_sleep() -> tuple[str, str]:
     return f"sleep {marker}", marker
 
 
-def request(name: str, **fields: Any) -> TaskRequest:
-    return TaskRequest(
+def request(name: str, **fields: Any) -> LaunchPlan:
+    return LaunchPlan(
         job_id=fields.pop("job_id", 1),
         task_id=fields.pop("task_id", 0),
         epoch=fields.pop("epoch", 0),

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +32,8 @@ from services.backends.base import (
     BackendError,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
-    TaskRequest,
     TaskStatus,
 )
 from services.common.channels import ClientSecurity, open_channel
@@ -243,13 +243,8 @@ class MemoryBackend(Backend):
             else:
                 await changed.wait()
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        return self.handle_for(request.cluster_name)
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        return self.handle_for(plan.cluster_name)
 
     async def observe(self, handle: ClusterHandle) -> Observation:
         if handle.cluster_name in self.gone:

@@ -1,6 +1,7 @@
 """A raw replica stream against a real scheduler: a replica that holds a real job
 (a two-task chain) and sends whatever reports it is given (`Fuzzer` draws them
-from the proto descriptors)."""
+from the proto descriptors). For the replica's own `Link` in tests: its `hello`,
+and `IGNORED`, instructions that do nothing (replace the ones a test watches)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.channels import MAX_MESSAGE_BYTES
 from services.common.statuses import TERMINAL, JobStatus, ScheduleState
-from services.controller.link import unbatched
+from services.controller.messages import Instructions, unbatched
 from services.scheduler.main import SchedulerApp
 
 CHAIN = "name: fuzzed\n---\nrun: first\n---\nrun: second\n"
@@ -186,6 +187,15 @@ class Fuzzer:
         if after != before:
             return [f"refused ({ack.reason[:200]}), yet job {held.job_id} changed"]
         return []
+
+
+def _ignore(_: object) -> None:
+    return None
+
+
+IGNORED = Instructions(
+    assignment=_ignore, launch_slot_grant=_ignore, cancel=_ignore, revoke=_ignore
+)
 
 
 def hello(**changes: Any) -> pb.ControllerHello:

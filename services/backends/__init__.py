@@ -1,10 +1,12 @@
 """Backends: where tasks run (contract §10, §17).
 
 `Backend` is the one interface the controller and the logs service use; this
-package names it, its value types and errors, and the registry: each backend
-is one module plus one `BackendSpec` entry in `BACKENDS` (its name, where its
-class lives, imported only when used, and the settings it takes).
-`make_backend(name, settings)` builds one from the services' settings.
+package names it, its value types (`LaunchPlan` among them) and errors, and the
+registry: each backend is one package (`local`, `sim`, `ssh`) plus one
+`BackendSpec` entry in `BACKENDS` (its name, where its class lives, imported only
+when used, and the settings it takes).
+`BACKEND` is the setting that picks one (`--backend`, MJ_BACKEND), and
+`make_backend(name, settings)` builds it from the services' settings.
 """
 
 from __future__ import annotations
@@ -22,12 +24,12 @@ from services.backends.base import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     cluster_name,
 )
@@ -37,9 +39,11 @@ from services.backends.local.users import (
     run_as_setting,
     uid_range_setting,
 )
+from services.common.bounds import quote
 from services.common.settings import Setting
 
 __all__ = [
+    "BACKEND",
     "BACKENDS",
     "Backend",
     "BackendError",
@@ -48,12 +52,12 @@ __all__ = [
     "ClusterEvent",
     "ClusterHandle",
     "ClusterStatus",
+    "LaunchPlan",
     "Observation",
     "PrecheckError",
     "ResourcesUnavailableError",
     "StaleEpochError",
     "TaskEnd",
-    "TaskRequest",
     "TaskStatus",
     "backend_settings",
     "cluster_name",
@@ -196,6 +200,20 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
     )
 }
+
+
+def backend_name(text: str) -> str:
+    """A registered backend's name (`BACKENDS`)."""
+    if text not in BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {quote(text)}; known backends: {', '.join(BACKENDS)}"
+        )
+    return text
+
+
+BACKEND = Setting(
+    "backend", "MJ_BACKEND", "local", "compute backend: local, sim or ssh", backend_name
+)
 
 
 def backend_settings() -> tuple[Setting, ...]:

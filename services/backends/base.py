@@ -101,8 +101,13 @@ class StaleEpochError(BackendError):
 
 
 @dataclasses.dataclass(frozen=True)
-class TaskRequest:
-    """What to run on a cluster: one task attempt of one job."""
+class LaunchPlan:
+    """One launch of one task attempt of one job: what to run, on what, and where.
+
+    The controller builds it once per attempt from the task's spec; a recovery
+    narrows it (`within`: the regions to try, the regions never to use; on-demand
+    instead of spot) and every backend's `launch` takes it whole.
+    """
 
     job_id: int
     task_id: int
@@ -112,6 +117,7 @@ class TaskRequest:
     setup: str = ""
     run: str = ""
     workdir: str = ""
+    # The task's envs, its secrets among them.
     envs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     cloud: str = ""
     region: str = ""
@@ -120,8 +126,25 @@ class TaskRequest:
     memory: str = ""
     accelerators: str = ""
     use_spot: bool = False
-    # Backend-specific knobs (the sim backend reads runtime, exit codes, log lines).
-    sim: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Only these regions, in this order (empty: any the resources allow).
+    candidate_regions: tuple[str, ...] = ()
+    # Never these regions.
+    blocked_regions: tuple[str, ...] = ()
+    # Options only one backend reads, by the backend's name, each a JSON object as the
+    # task's spec gave it: "sim", the spec's `sim` key (how the simulated task behaves).
+    # Every other backend ignores them.
+    extensions: Mapping[str, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def extension(self, backend: str) -> Mapping[str, Any]:
+        """The options for `backend` (empty when the spec gave none)."""
+        return self.extensions.get(backend, {})
+
+    def within(self, candidates: Sequence[str] = (), blocked: Sequence[str] = ()) -> LaunchPlan:
+        """This plan, launched only in `candidates` (in order; empty: anywhere allowed) and
+        never in `blocked`."""
+        return dataclasses.replace(
+            self, candidate_regions=tuple(candidates), blocked_regions=tuple(blocked)
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,16 +250,11 @@ class Backend(abc.ABC):
         self.own_call_fence = fence
 
     @abc.abstractmethod
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        """Provisions a cluster and starts the task on it.
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        """Provisions a cluster and starts the plan's task on it.
 
         Raises:
-            PrecheckError: the request can never launch.
+            PrecheckError: the plan can never launch.
             ResourcesUnavailableError: nothing free in any allowed region now.
             StaleEpochError: a newer epoch of the job launched already.
             BackendUnreachableError: the backend cannot be asked now.

@@ -13,8 +13,8 @@ from services.backends.base import (
     BackendError,
     ClusterEvent,
     ClusterHandle,
+    LaunchPlan,
     Observation,
-    TaskRequest,
 )
 
 
@@ -24,13 +24,8 @@ class BackendWrapper(Backend):
         self.name = inner.name  # type: ignore[misc]
         self.launch_concurrency = inner.launch_concurrency
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        return await self.inner.launch(request, candidate_regions, blocked_regions)
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        return await self.inner.launch(plan)
 
     def handle_for(self, cluster_name: str) -> ClusterHandle:
         return self.inner.handle_for(cluster_name)

@@ -21,6 +21,8 @@ import reprlib
 from google.protobuf.timestamp_pb2 import Timestamp
 
 __all__ = [
+    "CLOUD_NAME_RE",
+    "CLOUD_NAME_RULE",
     "MAX_ENV_BYTES",
     "MAX_ENV_KEYS",
     "MAX_FETCH_BATCH",
@@ -79,6 +81,12 @@ MAX_HANDLE_BYTES = 16 * 1024
 MAX_JSON_DEPTH = 16
 # Times a request may carry: 1970-01-01 to 9999-12-31 (the end of google.protobuf.Timestamp).
 MAX_TIMESTAMP_SECONDS = 253_402_300_799
+
+# A name on a cloud: a cluster's (every backend's cluster names, `mj-<job>-<task>`
+# among them), a region's or a zone's. What the sim cloud accepts, and what the local
+# and ssh backends take as a folder name.
+CLOUD_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+CLOUD_NAME_RULE = "1-128 characters of [A-Za-z0-9._-], starting with a letter or digit"
 
 MAX_IDENTIFIER_CHARS = 64
 _IDENTIFIER_RE = re.compile(r"[a-z0-9._-]+")

@@ -144,21 +144,6 @@ SCHEDULER_ADDRESS = Setting(
 LOGS_ADDRESS = Setting("logs_address", "MJ_LOGS_ADDRESS", "127.0.0.1:50052", "logs host:port")
 
 
-def backend_name(text: str) -> str:
-    """A registered backend's name (services/backends: `BACKENDS`)."""
-    # The registry imports this module: read it only once a value is parsed.
-    from services.backends import BACKENDS
-
-    if text not in BACKENDS:
-        raise argparse.ArgumentTypeError(
-            f"unknown backend {quote(text)}; known backends: {', '.join(BACKENDS)}"
-        )
-    return text
-
-
-BACKEND = Setting(
-    "backend", "MJ_BACKEND", "local", "compute backend: local, sim or ssh", backend_name
-)
 SHUTDOWN_GRACE = Setting(
     "shutdown_grace",
     "MJ_SHUTDOWN_GRACE",

@@ -13,7 +13,7 @@ protected run, and a service with any switch on logs a warning naming them.
 There is deliberately no command-line flag: these are not settings an operator
 chooses, and `--help` does not offer them.
 
-- `epoch-check-at-report` (scheduler, `reports.py`): a task report or a finished
+- `epoch-check-at-report` (scheduler, `batch_rows.py`): a task report or a finished
   lifecycle is applied whatever its epoch and controller.
 - `lease-guard` (controller, `fencing.py`): backend calls that change anything
   are made without a valid lease; the epoch each one carries still goes.

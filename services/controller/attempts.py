@@ -21,9 +21,9 @@ from services.backends import (
     Backend,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     cluster_name,
 )
@@ -32,20 +32,20 @@ from services.controller.host import JobHost
 from services.controller.launching import NoResources
 from services.controller.limits import Limits
 from services.controller.strategies import Strategy
-from services.controller.tasks import TaskState, exit_code
+from services.controller.tasks import TaskState
 from services.controller.teardown import Teardown
 from services.controller.verdicts import IN_PROGRESS
 
 S = JobStatus
 
 
-def task_request(
+def launch_plan(
     job_id: int, epoch: int, task: job_pb2.Task, secrets: Mapping[str, str] | None = None
-) -> TaskRequest:
+) -> LaunchPlan:
     """What to launch for a task attempt; its secrets join its envs only here."""
     spec = task.spec
     r = spec.resources
-    return TaskRequest(
+    return LaunchPlan(
         job_id=job_id,
         task_id=task.task_id,
         epoch=epoch,
@@ -62,7 +62,8 @@ def task_request(
         memory=r.memory,
         accelerators=r.accelerators,
         use_spot=r.use_spot,
-        sim=json.loads(spec.sim_json) if spec.sim_json else {},
+        # The spec's `sim` key: how the task behaves on the sim backend.
+        extensions={"sim": json.loads(spec.sim_json)} if spec.sim_json else {},
     )
 
 
@@ -73,7 +74,7 @@ class Attempts:
         self,
         state: TaskState,
         strategy: Strategy,
-        request: TaskRequest,
+        request: LaunchPlan,
         host: JobHost,
         backend: Backend,
         teardown: Teardown,
@@ -135,7 +136,9 @@ class Attempts:
             await self.teardown.remove(state, lost)
             raise NoResources(refused)
         if state.status != S.RECOVERING:
-            await state.transition(S.RECOVERING, why, **exit_code(end))
+            await state.transition(
+                S.RECOVERING, why, exit_code=end.exit_code if end is not None else None
+            )
         await self.teardown.remove(state, lost, silent=silent)
         number = state.recovery_count + 1
         self.host.note(
@@ -154,7 +157,7 @@ class Attempts:
         reason = (
             f"user {what} failed; restart {state.restart_count} of {self.strategy.max_restarts}"
         )
-        await state.transition(S.RECOVERING, reason, attempt=attempt, **exit_code(end))
+        await state.transition(S.RECOVERING, reason, attempt=attempt, exit_code=end.exit_code)
         await self.teardown.remove(state, failed, attempt=attempt)
         state.handle = None
         handle = await self.strategy.restart(self.request, failed)
@@ -171,4 +174,4 @@ class Attempts:
         await self.host.slot.release()
 
 
-__all__ = ["Attempts", "task_request"]
+__all__ = ["Attempts", "launch_plan"]

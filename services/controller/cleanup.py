@@ -29,7 +29,7 @@ import logging
 from services.common.event_messages import CANCEL_REQUESTED, CLEANUP_FAILED
 from services.common.statuses import ACTIVE, JobStatus
 from services.controller.lifecycle import JobLifecycle
-from services.controller.link import MovedAway, Refused
+from services.controller.messages import MovedAway, Refused
 from services.controller.tasks import TaskState
 from services.controller.teardown import CleanupFailed
 

@@ -15,12 +15,12 @@ a backend that can fence refuses it too: two layers, each tested on its own.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 
-from services.backends import Backend, ClusterHandle, TaskRequest
+from services.backends import Backend, ClusterHandle, LaunchPlan
 from services.backends.wrapper import BackendWrapper
 from services.common.test_switches import LEASE_GUARD, disabled
-from services.controller.link import LeaseLost, MovedAway
+from services.controller.messages import LeaseLost, MovedAway
 
 
 class LeaseGuard(BackendWrapper):
@@ -42,14 +42,9 @@ class LeaseGuard(BackendWrapper):
         if self._handed_back():
             raise MovedAway(f"this replica is draining; not calling {what}")
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
-        await self._check(f"launch of {request.cluster_name}")
-        return await self.inner.launch(request, candidate_regions, blocked_regions)
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
+        await self._check(f"launch of {plan.cluster_name}")
+        return await self.inner.launch(plan)
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
         await self._check(f"terminate of {handle.cluster_name}")

@@ -1,4 +1,4 @@
-"""What a job's lifecycle needs from the replica that runs it (`replica.py` is one).
+"""What a job's lifecycle needs from the replica that runs it (`runner.py` is one).
 
 A lifecycle never talks to the scheduler, the logs service or the cluster watch
 itself: it reports, notes, fetches logs and watches through its host, so one
@@ -8,11 +8,11 @@ lifecycle with a recording host (harness/lifecycle_harness.py).
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 from services.backends import ClusterHandle
-from services.common.statuses import JobStatus
 from services.controller.launching import Slot
+from services.controller.messages import TaskReport
 from services.controller.watch import News
 
 
@@ -38,9 +38,7 @@ class JobHost(Protocol):
     def slot(self) -> Slot:
         """The job's launch slot."""
 
-    async def report(
-        self, task_id: int, status: JobStatus, message: str = "", **fields: Any
-    ) -> None:
+    async def report(self, report: TaskReport) -> None:
         """Reports a task change.
 
         Raises:

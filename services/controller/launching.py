@@ -30,9 +30,9 @@ from services.backends import (
     BackendUnreachableError,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskRequest,
     TaskStatus,
 )
 from services.controller.config import LifecycleConfig
@@ -134,7 +134,7 @@ class ClusterLauncher:
 
     async def launch(
         self,
-        request: TaskRequest,
+        request: LaunchPlan,
         regions: Sequence[str] = (),
         blocked: Sequence[str] = (),
         attempts: int = 0,
@@ -167,7 +167,7 @@ class ClusterLauncher:
             self.note(f"{prefix}: launching {request.cluster_name}{_where(regions, blocked)}")
             counted = True
             try:
-                handle = await self.backend.launch(request, regions, blocked)
+                handle = await self.backend.launch(request.within(regions, blocked))
             except PrecheckError as error:
                 self.note(f"{prefix}: precheck failed, never retried: {error}")
                 raise

@@ -45,13 +45,13 @@ from services.backends import (
     TaskStatus,
 )
 from services.common.statuses import TERMINAL, JobStatus
-from services.controller.attempts import Attempts, task_request
+from services.controller.attempts import Attempts, launch_plan
 from services.controller.config import LifecycleConfig
 from services.controller.host import JobHost
 from services.controller.launching import NoResources
 from services.controller.limits import Limits
 from services.controller.strategies import strategy_for
-from services.controller.tasks import TaskState, exit_code
+from services.controller.tasks import TaskState
 from services.controller.teardown import Teardown
 from services.controller.verdicts import Judge
 
@@ -112,7 +112,7 @@ class JobLifecycle:
 
     def _attempts(self, state: TaskState) -> Attempts:
         """The task's attempts, through the strategy its spec names."""
-        request = task_request(
+        request = launch_plan(
             self.job.job_id, self.host.epoch, state.task, self._secrets.get(state.task_id)
         )
         strategy = strategy_for(
@@ -186,7 +186,7 @@ class JobLifecycle:
             S.SUCCEEDED,
             f"succeeded on {handle.cluster_name}",
             end_time=end.end_time,
-            **exit_code(end),
+            exit_code=end.exit_code,
         )
         await self.teardown.remove(state, handle)
         return S.SUCCEEDED
@@ -237,7 +237,11 @@ class JobLifecycle:
         elif strategy.max_restarts:
             reason += f" after {state.restart_count} restarts"
         await state.transition(
-            final, reason, failure_reason=reason, end_time=end.end_time, **exit_code(end)
+            final,
+            reason,
+            failure_reason=reason,
+            end_time=end.end_time,
+            exit_code=end.exit_code,
         )
         await self.teardown.remove(state, handle)
         return final

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from managedjobs.v1 import controller_service_pb2_grpc
-from services.backends import backend_settings, make_backend
+from services.backends import BACKEND, backend_settings, make_backend
 from services.common import logs, settings, test_switches
 from services.common.channels import ClientSecurity
 from services.common.metrics import METRICS_PORT, serve_metrics
@@ -47,7 +47,7 @@ SETTINGS = (
     ),
     settings.SCHEDULER_ADDRESS,
     settings.LOGS_ADDRESS,
-    settings.BACKEND,
+    BACKEND,
     *backend_settings(),
     settings.DATA_DIR,
     Setting(

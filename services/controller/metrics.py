@@ -21,8 +21,8 @@ from services.backends import (
     BackendError,
     ClusterEvent,
     ClusterHandle,
+    LaunchPlan,
     Observation,
-    TaskRequest,
 )
 from services.backends.wrapper import BackendWrapper
 from services.common.metrics import child
@@ -50,14 +50,9 @@ class MeteredBackend(BackendWrapper):
         self.calls[call] = self.calls.get(call, 0) + n
         child(BACKEND_CALLS, call).inc(n)
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         self._count("launch")
-        return await self.inner.launch(request, candidate_regions, blocked_regions)
+        return await self.inner.launch(plan)
 
     async def observe(self, handle: ClusterHandle) -> Observation:
         self._count("observe")

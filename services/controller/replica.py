@@ -1,10 +1,11 @@
-"""A controller replica: holds job lifecycles as asyncio tasks and answers the scheduler.
+"""A controller replica: its jobs, what the scheduler tells it of them, its drain.
 
-`Replica.runners` maps job id to its `JobRunner`; the replica is the one place
-that starts, cancels and reaps them. A runner runs the lifecycle's main path as
-an inner task, so that a cancel request can cancel just that task and still run
-the cleanup, while a revoke (the job moved away, or this replica lost its lease)
-cancels the runner itself: it stops at once and reports nothing more.
+`Replica.runners` maps job id to its `JobRunner` (`runner.py`); the replica is
+the one place that starts, cancels and reaps them, following the scheduler's
+instructions on the stream (its handlers in `Instructions`): an assignment
+starts a runner, a cancel interrupts its main path (the cleanup still runs), a
+revoke or a lost lease stops it at once. It says hello with the jobs it holds,
+hands every job back when it drains, and answers `GetControllerState`.
 
 A cancel can reach the replica before the assignment it belongs to (both are
 sent by the scheduler as soon as they commit, from different transactions): the
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -25,201 +25,27 @@ from typing import Any
 import grpc
 
 from managedjobs.v1 import controller_service_pb2 as cpb
-from managedjobs.v1 import controller_service_pb2_grpc, job_pb2
+from managedjobs.v1 import controller_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.backends import Backend, ClusterHandle
+from services.backends import Backend
 from services.common.channels import ClientSecurity
 from services.common.errors import rpc_errors
-from services.common.statuses import JobStatus
 from services.common.test_switches import CANCEL_ON_ASSIGNMENT, disabled
 from services.controller import metrics
-from services.controller.cleanup import CancelRequest, run_job
 from services.controller.config import LifecycleConfig
 from services.controller.fencing import LeaseGuard
-from services.controller.host import Watcher
 from services.controller.joblog import LogsClient
-from services.controller.lifecycle import JobLifecycle
-from services.controller.link import LeaseLost, Link, MovedAway, Rejected
+from services.controller.link import Link
+from services.controller.messages import Instructions, Rejected
 from services.controller.metrics import MeteredBackend
-from services.controller.watch import ClusterWatch, News
-
-log = logging.getLogger(__name__)
+from services.controller.runner import JobRunner, handback
+from services.controller.watch import ClusterWatch
 
 # Cancels remembered for assignments not yet arrived; the oldest are forgotten past this.
 EARLY_CANCELS = 10_000
 HANDBACK_TIMEOUT = 5.0
 # How long a drain waits for its jobs' last lifecycle lines to be stored.
 LINES_TIMEOUT = 3.0
-
-
-class LaunchSlot:
-    """This job's launch slot: requested from the scheduler, granted on the stream.
-
-    A launch that ends in RUNNING gives the slot back with that report
-    (`release_slot`), so a launch costs no extra round trip.
-    """
-
-    def __init__(self, runner: JobRunner, held: bool) -> None:
-        self._runner = runner
-        self.held = held
-        self._grant: asyncio.Future[None] | None = None
-
-    async def acquire(self, reason: str) -> None:
-        if self.held:
-            return
-        self._grant = asyncio.get_running_loop().create_future()
-        r = self._runner
-        await r.replica.link.call(
-            launch_slot_request=pb.LaunchSlotRequest(job_id=r.job_id, epoch=r.epoch, reason=reason)
-        )
-        await self._grant
-        self.held = True
-
-    def granted(self) -> None:
-        if self._grant is not None and not self._grant.done():
-            self._grant.set_result(None)
-
-    async def release(self, wait_reason: str = "") -> None:
-        if not self.held:
-            return
-        self.held = False
-        r = self._runner
-        await r.replica.link.call(
-            launch_slot_release=pb.LaunchSlotRelease(
-                job_id=r.job_id, epoch=r.epoch, wait_reason=wait_reason
-            )
-        )
-
-
-class JobRunner:
-    """One job on this replica (the `JobHost` of its lifecycle)."""
-
-    def __init__(
-        self,
-        replica: Replica,
-        job: job_pb2.Job,
-        epoch: int,
-        granted: bool,
-        secrets: Sequence[pb.TaskSecrets] = (),
-    ) -> None:
-        self.replica = replica
-        self.job = job
-        self.job_id = job.job_id
-        self.epoch = epoch
-        self.slot = LaunchSlot(self, granted)
-        self.cancel = CancelRequest(job.cancel_requested)
-        by_task = {s.task_id: dict(s.secrets) for s in secrets}
-        # Answers to reports sent without waiting, checked with the next report.
-        self._unchecked: list[asyncio.Future[pb.ReportAck]] = []
-        self.lifecycle = JobLifecycle(job, self, replica.backend, replica.config, by_task)
-        self.task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self.task = asyncio.create_task(self._main(), name=f"job-{self.job_id}")
-
-    async def _main(self) -> None:
-        try:
-            reason = await run_job(self.lifecycle, self.cancel)
-            self.note("done" + (f" ({reason})" if reason else ""))
-            # The lifecycle log is complete by the time anyone sees the job DONE (bounded).
-            await self.replica.logs.shipped(self.job_id)
-            await self.replica.link.call(
-                job_finished=pb.JobFinished(
-                    job_id=self.job_id, epoch=self.epoch, failure_reason=reason
-                )
-            )
-        except LeaseLost as error:
-            self.note(f"stopped: this replica's lease ran out ({error}); handing the job back")
-            # The scheduler may still count the lease (it renews on receipt, this replica
-            # from the send): tell it, or the job would stay assigned to no one running it.
-            self.replica.hand_back([self])
-        except MovedAway as error:
-            self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
-        except Rejected as error:
-            log.error("job finish refused", extra={"job_id": self.job_id, "reason": str(error)})
-        finally:
-            for answer in self._unchecked:
-                answer.cancel()
-            self.replica.forget(self)
-
-    def request_cancel(self) -> None:
-        self.cancel.set()
-
-    def stop(self) -> None:
-        """Stops acting for the job at once, reporting nothing (run_job stops its main path)."""
-        if self.task is not None:
-            self.task.cancel()
-
-    # --- JobHost ---------------------------------------------------------------------------
-
-    async def report(
-        self, task_id: int, status: JobStatus, message: str = "", **fields: Any
-    ) -> None:
-        transition = pb.TaskTransition(
-            job_id=self.job_id,
-            epoch=self.epoch,
-            task_id=task_id,
-            status=int(status),  # type: ignore[arg-type]
-            message=message,
-            failure_reason=fields.get("failure_reason", ""),
-            cluster_name=fields.get("cluster_name", ""),
-            region=fields.get("region", ""),
-            resources=fields.get("resources", ""),
-            recovery_count=fields.get("recovery_count", 0),
-            restart_count=fields.get("restart_count", 0),
-        )
-        if "condition" in fields:
-            transition.condition = fields["condition"]
-        transition.attempt = fields.get("attempt", 0)
-        if fields.get("exit_code") is not None:
-            transition.exit_code = fields["exit_code"]
-        transition.time.FromSeconds(int(time.time()))
-        if fields.get("end_time"):
-            transition.end_time.FromNanoseconds(int(fields["end_time"] * 1e9))
-        if status == JobStatus.RUNNING and self.slot.held:
-            # Launched: the slot goes back with this report.
-            transition.release_slot = True
-            self.slot.held = False
-        answer = self.replica.link.post(transition=transition)
-        metrics.transition(status)
-        if status == JobStatus.STARTING:
-            # Nothing waits on the scheduler's answer to STARTING (the launch is fenced by
-            # the lease and the epoch): it is checked with the next report, a round trip
-            # saved on every launch.
-            self._unchecked.append(answer)
-            return
-        await self._checked(answer)
-
-    async def _checked(self, answer: asyncio.Future[pb.ReportAck]) -> None:
-        """Awaits this answer and every earlier one not yet checked, in order."""
-        pending, self._unchecked = [*self._unchecked, answer], []
-        for earlier in pending:
-            await earlier
-
-    def note(self, message: str) -> None:
-        self.replica.logs.note(self.job_id, self.epoch, message)
-
-    async def fetch_logs(self, task_id: int, handle: ClusterHandle, attempt: int) -> None:
-        if not await self.replica.logs.fetch(self.job_id, task_id, self.epoch, handle, attempt):
-            self.note(f"task {task_id}: logs could not be saved before teardown")
-
-    def watch(self, handle: ClusterHandle) -> Watcher:
-        return self.replica.watch.watch(handle)
-
-    async def look(self, handle: ClusterHandle) -> News:
-        return await self.replica.watch.look(handle)
-
-    def state(self) -> cpb.ControllerJob:
-        current = next(
-            (t for t in self.lifecycle.tasks if not t.status.terminal), self.lifecycle.tasks[-1]
-        )
-        return cpb.ControllerJob(
-            job_id=self.job_id,
-            epoch=self.epoch,
-            task_id=current.task.task_id,
-            status=int(current.status),  # type: ignore[arg-type]
-            launching=self.slot.held,
-        )
 
 
 class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
@@ -244,17 +70,23 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         self.config = config
         self.runners: dict[int, JobRunner] = {}
         self.draining = False
+        instructions = Instructions(
+            assignment=self._assign,
+            launch_slot_grant=self._granted,
+            cancel=self._cancel,
+            revoke=self._revoke,
+        )
         self.link = Link(
             scheduler_address,
             self.hello,
-            self.on_message,
+            instructions,
             self.on_lease_lost,
             security,
             reconnect_sleep=reconnect_sleep,
         )
         self.metered = MeteredBackend(backend)
         self.backend: Backend = LeaseGuard(
-            self.metered, self.link.wait_lease, lambda: self.draining
+            self.metered, self.link.lease.wait, lambda: self.draining
         )
         self.watch = ClusterWatch(self.backend, config.poll_interval)
         self._early_cancels: collections.OrderedDict[int, int] = collections.OrderedDict()
@@ -271,7 +103,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             "mj_replica_held_jobs": len(self.runners),
             "mj_replica_held_launch_slots": sum(r.slot.held for r in self.runners.values()),
             "mj_replica_watched_clusters": self.watch.watched,
-            "mj_replica_lease_seconds_left": max(0.0, self.link.lease_left()),
+            "mj_replica_lease_seconds_left": max(0.0, self.link.lease.left()),
         }
 
     def hello(self) -> pb.ControllerHello:
@@ -283,25 +115,25 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             regions=list(self.backend.regions() or ()),
         )
 
-    async def on_message(self, message: pb.ConnectControllerResponse) -> None:
-        kind = message.WhichOneof("message")
-        if kind == "assignment":
-            self._assign(message.assignment)
-            return
-        inner = getattr(message, kind) if kind else None
-        job_id, epoch = getattr(inner, "job_id", 0), getattr(inner, "epoch", -1)
+    def _held(self, job_id: int, epoch: int) -> JobRunner | None:
+        """The runner of this job at this epoch, if this replica runs it."""
         runner = self.runners.get(job_id)
-        if kind == "cancel" and (runner is None or runner.epoch < epoch):
-            self._remember_cancel(job_id, epoch)
-            return
-        if runner is None or runner.epoch != epoch:
-            return
-        if kind == "launch_slot_grant":
+        return runner if runner is not None and runner.epoch == epoch else None
+
+    def _granted(self, grant: pb.LaunchSlotGrant) -> None:
+        if runner := self._held(grant.job_id, grant.epoch):
             runner.slot.granted()
-        elif kind == "cancel":
+
+    def _cancel(self, cancel: pb.JobCancel) -> None:
+        runner = self.runners.get(cancel.job_id)
+        if runner is None or runner.epoch < cancel.epoch:
+            self._remember_cancel(cancel.job_id, cancel.epoch)
+        elif runner.epoch == cancel.epoch:
             runner.note("cancel requested")
             runner.request_cancel()
-        elif kind == "revoke":
+
+    def _revoke(self, revoke: pb.JobRevoke) -> None:
+        if runner := self._held(revoke.job_id, revoke.epoch):
             runner.note("revoked: the job moved to another replica")
             runner.stop()
 
@@ -316,8 +148,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         if self.draining:
             # Sent before the scheduler knew of the drain: straight back, never started.
             self.logs.note(job.job_id, assignment.epoch, self._handed_back_line)
-            held = pb.HeldJob(job_id=job.job_id, epoch=assignment.epoch)
-            self.link.notify(job_handback=pb.JobHandback(jobs=[held]))
+            self.link.outbox.notify(handback(job.job_id, assignment.epoch))
             return
         current = self.runners.get(job.job_id)
         if current is not None:
@@ -366,7 +197,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         if not runners:
             return
         jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
-        answer = self.link.post(job_handback=pb.JobHandback(jobs=jobs))
+        answer = self.link.outbox.post(pb.JobHandback(jobs=jobs))
         # Nothing waits for it: a refusal has nothing left to undo.
         answer.add_done_callback(lambda done: done.cancelled() or done.exception())
 
@@ -390,7 +221,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         The drain ends once the answer came and every runner has unwound.
         """
         self.draining = True
-        self.link.notify(draining=pb.ControllerDraining())
+        self.link.outbox.notify(pb.ControllerDraining())
         runners = list(self.runners.values())
         if not runners:
             return
@@ -398,15 +229,15 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             runner.note(self._handed_back_line)
         await self.logs.shipped(timeout=LINES_TIMEOUT)
         jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
-        handback = self.link.post(job_handback=pb.JobHandback(jobs=jobs))
+        returned = self.link.outbox.post(pb.JobHandback(jobs=jobs))
         deadline = asyncio.get_running_loop().time() + HANDBACK_TIMEOUT
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.link.written(), HANDBACK_TIMEOUT)
+            await asyncio.wait_for(self.link.outbox.written(), HANDBACK_TIMEOUT)
         for runner in runners:
             runner.stop()
         remaining = max(0.0, deadline - asyncio.get_running_loop().time())
         with contextlib.suppress(Rejected, TimeoutError):
-            await asyncio.wait_for(handback, remaining)
+            await asyncio.wait_for(returned, remaining)
         await asyncio.gather(
             *(r.task for r in runners if r.task is not None), return_exceptions=True
         )
@@ -433,7 +264,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             connected=self.link.connected.is_set(),
             draining=self.draining,
         )
-        if self.link.last_renewal:
-            wall = time.time() - (time.monotonic() - self.link.last_renewal)
+        if self.link.lease.last_renewal:
+            wall = time.time() - (time.monotonic() - self.link.lease.last_renewal)
             response.lease_renew_time.FromNanoseconds(int(wall * 1e9))
         return response

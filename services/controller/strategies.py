@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import ClassVar
 
 from managedjobs.v1 import job_pb2
-from services.backends import Backend, ClusterHandle, PrecheckError, TaskRequest
+from services.backends import Backend, ClusterHandle, LaunchPlan, PrecheckError
 from services.controller.config import LifecycleConfig
 from services.controller.launching import ClusterLauncher, Deadline, NoResources, Slot
 
@@ -106,7 +106,7 @@ class Strategy(abc.ABC):
             return "recover"
         return ""
 
-    def for_recovery(self, request: TaskRequest, preemptions: int) -> TaskRequest:
+    def for_recovery(self, request: LaunchPlan, preemptions: int) -> LaunchPlan:
         """The request for the attempt after `preemptions` preemptions: on-demand once the
         policy says so."""
         after = self.policy.on_demand_after_preemptions
@@ -118,15 +118,15 @@ class Strategy(abc.ABC):
             return dataclasses.replace(request, use_spot=False)
         return request
 
-    async def launch(self, request: TaskRequest) -> ClusterHandle:
+    async def launch(self, request: LaunchPlan) -> ClusterHandle:
         """The task's first launch: anywhere allowed."""
         return await self.launcher.launch(request)
 
     @abc.abstractmethod
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         """Relaunches a task whose cluster was lost (already terminated by the caller)."""
 
-    async def restart(self, request: TaskRequest, failed: ClusterHandle) -> ClusterHandle:
+    async def restart(self, request: LaunchPlan, failed: ClusterHandle) -> ClusterHandle:
         """Relaunches after user code failed on a healthy cluster: anywhere allowed."""
         self.note(f"task {request.task_id}: restarting after user code failed")
         return await self.launcher.launch(request)
@@ -135,7 +135,7 @@ class Strategy(abc.ABC):
 class Failover(Strategy):
     name = "FAILOVER"
 
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         if lost.region:
             self.note(f"task {request.task_id}: {self.name}: relaunching in {lost.region} first")
             try:
@@ -156,14 +156,14 @@ class NoRecovery(Strategy):
     def may_recover(self, recoveries_so_far: int) -> str:
         return "preempted, and the task's recovery strategy is NONE"
 
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         raise NoResources(self.may_recover(0))
 
 
 class EagerNextRegion(Strategy):
     name = "EAGER_NEXT_REGION"
 
-    async def recover(self, request: TaskRequest, lost: ClusterHandle) -> ClusterHandle:
+    async def recover(self, request: LaunchPlan, lost: ClusterHandle) -> ClusterHandle:
         if lost.region:
             self.note(
                 f"task {request.task_id}: {self.name}: relaunching outside {lost.region} first"

@@ -11,12 +11,12 @@ task without a status change (e.g. "unreachable since T").
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from managedjobs.v1 import job_pb2
-from services.backends import Backend, ClusterHandle, TaskEnd, cluster_name
+from services.backends import Backend, ClusterHandle, cluster_name
 from services.common.statuses import TASK_TRANSITIONS, IllegalTransition, JobStatus
 from services.controller.host import JobHost
+from services.controller.messages import TaskReport
 
 
 class TaskState:
@@ -56,8 +56,18 @@ class TaskState:
         handle = backend.handle_for(cluster_name(self.job_id, self.task_id))
         return dataclasses.replace(handle, region=handle.region or self.region)
 
-    async def transition(self, status: JobStatus, message: str = "", **extra: Any) -> None:
-        """Moves the task to `status`, logs it and reports it.
+    async def transition(
+        self,
+        status: JobStatus,
+        message: str = "",
+        *,
+        failure_reason: str = "",
+        attempt: int | None = None,
+        exit_code: int | None = None,
+        end_time: float | None = None,
+    ) -> None:
+        """Moves the task to `status`, logs it and reports it (about the current attempt
+        unless `attempt` says another).
 
         Raises:
             IllegalTransition: `TASK_TRANSITIONS` does not allow the move (a bug here).
@@ -73,30 +83,33 @@ class TaskState:
             + (f" ({message})" if message else "")
             + f" [was {old.name}]"
         )
-        extra.setdefault("attempt", self.attempt)
-        await self.host.report(self.task_id, status, message, **self._reported(), **extra)
+        report = dataclasses.replace(
+            self._report(status, message),
+            failure_reason=failure_reason,
+            attempt=self.attempt if attempt is None else attempt,
+            exit_code=exit_code,
+            end_time=end_time,
+        )
+        await self.host.report(report)
 
     async def condition(self, message: str, condition: str) -> None:
         """A visible condition of the running task (no status change): set or cleared ("")."""
         self.host.note(f"task {self.task_id}: {message}")
-        await self.host.report(
-            self.task_id, self.status, message, **self._reported(), condition=condition
+        report = dataclasses.replace(self._report(self.status, message), condition=condition)
+        await self.host.report(report)
+
+    def _report(self, status: JobStatus, message: str) -> TaskReport:
+        """A report of the task with what every report of it carries."""
+        return TaskReport(
+            task_id=self.task_id,
+            status=status,
+            message=message,
+            cluster_name=self.handle.cluster_name if self.handle else "",
+            region=self.region,
+            resources=self.task.resources,
+            recovery_count=self.recovery_count,
+            restart_count=self.restart_count,
         )
 
-    def _reported(self) -> dict[str, Any]:
-        """What every report of the task carries."""
-        return {
-            "cluster_name": self.handle.cluster_name if self.handle else "",
-            "region": self.region,
-            "resources": self.task.resources,
-            "recovery_count": self.recovery_count,
-            "restart_count": self.restart_count,
-        }
 
-
-def exit_code(end: TaskEnd | None) -> dict[str, Any]:
-    """The exit code field of a report, when the task's end gave one."""
-    return {"exit_code": end.exit_code} if end is not None and end.exit_code is not None else {}
-
-
-__all__ = ["TaskState", "exit_code"]
+__all__ = ["TaskState"]

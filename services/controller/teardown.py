@@ -26,7 +26,7 @@ from services.backends import (
 )
 from services.controller.config import LifecycleConfig
 from services.controller.host import JobHost
-from services.controller.link import MovedAway
+from services.controller.messages import MovedAway
 from services.controller.tasks import TaskState
 
 

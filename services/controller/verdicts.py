@@ -37,7 +37,7 @@ from services.backends import (
 from services.controller.config import LifecycleConfig
 from services.controller.host import JobHost
 from services.controller.limits import Limits
-from services.controller.link import MovedAway
+from services.controller.messages import MovedAway
 from services.controller.tasks import TaskState
 from services.controller.watch import News
 

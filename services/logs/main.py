@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from managedjobs.v1 import log_service_pb2_grpc
-from services.backends import backend_settings, make_backend
+from services.backends import BACKEND, backend_settings, make_backend
 from services.common import logs
 from services.common.channels import ClientSecurity
 from services.common.metrics import METRICS_PORT, serve_metrics
@@ -22,7 +22,6 @@ from services.common.security.edge import ServerSecurity, server_security
 from services.common.security.tls import TlsConfigError
 from services.common.server import Server, run_until_signal
 from services.common.settings import (
-    BACKEND,
     CLIENT_SECURITY,
     DATA_DIR,
     HOST,

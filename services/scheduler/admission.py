@@ -31,18 +31,12 @@ from services.common.event_messages import ADMITTED_ON, RESUMED_ON
 from services.common.statuses import ALIVE_STATES, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.counters import Counters
+from services.scheduler.endings import finish
+from services.scheduler.moves import move_many
 from services.scheduler.outbox import Outbox, TooLarge
-from services.scheduler.reports import finish
-from services.scheduler.store import (
-    ALIVE_WAITING_ON,
-    ORPHANS,
-    Move,
-    Store,
-    Txn,
-    move_many,
-    queued_jobs,
-    secrets_of,
-)
+from services.scheduler.queries import ALIVE_WAITING_ON, ORPHANS, queued_jobs, secrets_of
+from services.scheduler.store import Store
+from services.scheduler.txn import Move, Txn
 
 log = logging.getLogger(__name__)
 

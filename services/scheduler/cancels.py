@@ -27,8 +27,10 @@ from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler import metrics
 from services.scheduler.db.id_lists import in_ids
 from services.scheduler.db.models import JOBS, JobRow
+from services.scheduler.endings import end_unstarted
 from services.scheduler.outbox import Outbox
-from services.scheduler.store import Store, Txn, end_unstarted
+from services.scheduler.store import Store
+from services.scheduler.txn import Txn
 
 S = JobStatus
 St = ScheduleState
@@ -65,23 +67,10 @@ class Cancels:
         )
 
     def _cancel(self, txn: Txn, targets: Targets) -> list[int]:
-        unstarted = [St.INACTIVE, St.WAITING]
         conn = txn.conn
-        rows = conn.execute(
-            update(JobRow)
-            .where(targets.where(), JobRow.schedule_state.in_(unstarted))
-            .values(
-                schedule_state=St.DONE,
-                status=S.CANCELLED,
-                end_time=txn.now,
-                wait_reason="",
-                cancel_requested=True,
-            )
-            .returning(JobRow.id),
-        ).all()
-        # Every row came from INACTIVE or WAITING, and only WAITING is counted.
-        ids = [int(r[0]) for r in rows]
-        end_unstarted(txn, ids, S.CANCELLED, CANCELLED_BEFORE_START)
+        ids = end_unstarted(
+            txn, targets.where(), S.CANCELLED, CANCELLED_BEFORE_START, cancel_requested=True
+        )
         cancelled = list(ids)
         newly = conn.execute(
             update(JobRow)

@@ -22,7 +22,9 @@ from collections import Counter
 from collections.abc import Sequence
 
 from services.common.statuses import ALIVE_STATES, ScheduleState
-from services.scheduler.store import Move, Store
+from services.scheduler import queries
+from services.scheduler.store import Store
+from services.scheduler.txn import Move
 
 log = logging.getLogger(__name__)
 St = ScheduleState
@@ -58,7 +60,7 @@ class Counters:
         self.applied += 1
 
     async def rebuild(self) -> None:
-        self.counts = live_counts(await self.store.recount())
+        self.counts = live_counts(await self.store.read(queries.recount))
 
     def slots(self, controller_id: str | None) -> Slots:
         c = self.counts
@@ -79,7 +81,7 @@ class Counters:
         """Compares with a recount while no write is under way; fixes and returns any
         difference."""
         async with self.store.db.quiet():
-            recount = live_counts(await self.store.recount())
+            recount = live_counts(await self.store.read(queries.recount))
             ours = live_counts(self.counts)
             diff = {
                 k: recount[k] - ours[k] for k in set(recount) | set(ours) if recount[k] != ours[k]

@@ -18,13 +18,15 @@ import datetime as dt
 import logging
 from collections.abc import Callable
 
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, func, select
 
 from services.common.background import Background
 from services.common.event_messages import MAX_PENDING_EXCEEDED
 from services.common.statuses import JobStatus, ScheduleState
 from services.scheduler.db.models import JobRow
-from services.scheduler.store import Store, Txn, end_unstarted
+from services.scheduler.endings import end_unstarted
+from services.scheduler.store import Store
+from services.scheduler.txn import Txn
 
 log = logging.getLogger(__name__)
 S = JobStatus
@@ -88,21 +90,6 @@ class PendingDeadlines:
 
 def _expire(txn: Txn, why: str) -> list[int]:
     reason = f"{MAX_PENDING_EXCEEDED} while {why}"
-    rows = txn.conn.execute(
-        update(JobRow)
-        .where(JobRow.schedule_state == St.WAITING, JobRow.pending_deadline <= txn.now)
-        .values(
-            schedule_state=St.DONE,
-            status=S.FAILED_NO_RESOURCE,
-            end_time=txn.now,
-            wait_reason="",
-            failure_reason=reason,
-        )
-        .returning(JobRow.id),
-    ).all()
-    ids = [int(r[0]) for r in rows]
-    if not ids:
-        return []
+    past = and_(JobRow.schedule_state == St.WAITING, JobRow.pending_deadline <= txn.now)
     # The first task could not start; later tasks never will.
-    end_unstarted(txn, ids, S.FAILED_NO_RESOURCE, reason, failure_reason=reason)
-    return ids
+    return end_unstarted(txn, past, S.FAILED_NO_RESOURCE, reason, failure_reason=reason)

@@ -21,7 +21,8 @@ import asyncio
 import dataclasses
 
 from services.scheduler.db import OutcomeUnknown
-from services.scheduler.store import NewJob, Store
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
 
 Answer = tuple[int, bool]
 

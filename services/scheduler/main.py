@@ -28,7 +28,7 @@ from services.common.metrics import METRICS_PORT, serve_metrics
 from services.common.security.edge import ServerSecurity, server_security
 from services.common.server import Server, run_until_signal
 from services.common.settings import Setting
-from services.scheduler import metrics
+from services.scheduler import metrics, queries
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.api import JobApi
 from services.scheduler.cancels import Cancels
@@ -37,10 +37,12 @@ from services.scheduler.db import SYNCHRONOUS, Database, default_url
 from services.scheduler.deadlines import PendingDeadlines
 from services.scheduler.events import QUEUE_LIMIT, EventBus
 from services.scheduler.health import DbHealth, is_unreachable, unavailable
+from services.scheduler.leases import Leases
 from services.scheduler.outbox import Outbox
 from services.scheduler.replicas import Replicas
 from services.scheduler.reports import Reports
-from services.scheduler.store import Move, Store
+from services.scheduler.store import Store
+from services.scheduler.txn import Move
 
 log = logging.getLogger(__name__)
 register_translator(unavailable)
@@ -161,16 +163,23 @@ class SchedulerApp:
         self.reports = Reports(self.store)
         self.deadlines = PendingDeadlines(self.store, self.admission.waiting_reason)
         self.health = DbHealth(self.db, self._database_changed, interval=db_probe_interval)
+        self.leases = Leases(
+            self.store,
+            self.admission,
+            self.outbox,
+            self.health,
+            ttl=lease_ttl,
+            clock=clock,
+            sleep=sleep,
+        )
         self.replicas = Replicas(
             self.store,
             self.reports,
             self.admission,
             self.outbox,
             self.health,
-            lease_ttl=lease_ttl,
+            self.leases,
             heartbeat_interval=heartbeat_interval,
-            clock=clock,
-            sleep=sleep,
         )
         self.reconcile_interval = reconcile_interval
         self._sleep = sleep
@@ -201,7 +210,7 @@ class SchedulerApp:
         self.counters.apply(moves)
         metrics.moved(moves)
         self.admission.moved(moves)
-        self.replicas.moved(moves)
+        self.leases.moved(moves)
 
     def reconcile_soon(self) -> None:
         self._reconcile_now.set()
@@ -213,7 +222,7 @@ class SchedulerApp:
             metrics.corrected(sum(abs(n) for n in diff.values()))
             self.admission.kick()
         await self.replicas.sync_assignments()
-        metrics.statuses(await self.store.status_counts())
+        metrics.statuses(await self.store.read(queries.status_counts))
 
     async def _reconcile_loop(self) -> None:
         """Reconciles whenever asked to: every `reconcile_interval` seconds (`_tick`), and at
@@ -237,7 +246,7 @@ class SchedulerApp:
     async def _database_changed(self, reachable: bool) -> None:
         await self.server.set_serving(reachable)
         if reachable:
-            self.replicas.restart_leases()
+            self.leases.restart()
             self.admission.kick()
             self.reconcile_soon()
 
@@ -245,7 +254,7 @@ class SchedulerApp:
         """Migrates (waiting for the database to answer), rebuilds the counters and serves."""
         await self.health.retry(self.db.migrate, limit=120)
         await self.counters.rebuild()
-        await self.replicas.adopt_unknown()
+        await self.leases.adopt_unknown()
         self.admission.start()
         self.deadlines.start()
         self.health.start()
@@ -265,9 +274,7 @@ class SchedulerApp:
         await self.server.stop(grace)
         await self.deadlines.stop()
         await self.admission.stop()
-        if self.store.analyzing is not None:
-            self.store.analyzing.cancel()
-            await asyncio.gather(self.store.analyzing, return_exceptions=True)
+        await self.store.statistics.stop()
         await self.db.close()
         metrics.unwatch_counters(self.counters)
 

@@ -24,7 +24,7 @@ from managedjobs.v1 import job_pb2
 from services.common.metrics import SECONDS, child
 from services.common.statuses import ALIVE_STATES, JobStatus, ScheduleState
 from services.scheduler.counters import Counters
-from services.scheduler.store import Move
+from services.scheduler.txn import Move
 
 St = ScheduleState
 IN_FLIGHT = 100_000

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from services.scheduler import queries
 from services.scheduler.store import Store
 
 MAX_KNOWN = 100_000
@@ -30,7 +31,7 @@ class OwnedJobs:
             return
         if len(self._known) + len(unknown) > MAX_KNOWN:
             self._known.clear()
-        owners = await self._store.job_owners(unknown)
+        owners = await self._store.read(queries.job_owners, unknown)
         for job_id in unknown:
             self._known[job_id] = owners.get(job_id) == self.user
 

@@ -14,16 +14,14 @@ num_nodes at most 1000) and far below what breaks arithmetic on wall-clock times
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 
 from google.protobuf import timestamp_pb2
 
+from services.common.bounds import CLOUD_NAME_RE, CLOUD_NAME_RULE
 from services.common.errors import InvalidArgument
 from services.simcloud.errors import PrecheckInvalid
 
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-NAME_RULE = "1-128 characters of [A-Za-z0-9._-], starting with a letter or digit"
 QUOTE_LIMIT = 200
 # About 317 years: any duration, latency or grace.
 MAX_SECONDS = 1e10
@@ -62,8 +60,8 @@ def name(
     """A cluster, region or zone name; "" only when `optional`."""
     if optional and value == "":
         return value
-    if not NAME_RE.fullmatch(value):
-        raise error(f"{field}: must be {NAME_RULE}, got {quote(value)}", field=field)
+    if not CLOUD_NAME_RE.fullmatch(value):
+        raise error(f"{field}: must be {CLOUD_NAME_RULE}, got {quote(value)}", field=field)
     return value
 
 

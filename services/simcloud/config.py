@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import yaml
 
+from services.common.bounds import CLOUD_NAME_RE, CLOUD_NAME_RULE
 from services.simcloud import bounds
 
 T = TypeVar("T")
@@ -104,10 +105,9 @@ def _validate(config: CloudConfig) -> None:
         if not region.zones:
             raise ConfigError(f"{path}.zones: a region needs at least one zone")
         for name in (region.name, *region.zones):
-            if not bounds.NAME_RE.fullmatch(name):
+            if not CLOUD_NAME_RE.fullmatch(name):
                 raise ConfigError(
-                    f"{path}: region and zone names are {bounds.NAME_RULE}, "
-                    f"got {bounds.quote(name)}"
+                    f"{path}: region and zone names are {CLOUD_NAME_RULE}, got {bounds.quote(name)}"
                 )
             if name in seen:
                 raise ConfigError(f"{path}: {name!r} is declared twice")

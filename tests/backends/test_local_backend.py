@@ -251,7 +251,7 @@ async def test_missing_workdir_fails_precheck(backend: LocalBackend, tmp_path: P
 
 async def test_blocked_local_region_is_unavailable(backend: LocalBackend) -> None:
     with pytest.raises(ResourcesUnavailableError) as info:
-        await backend.launch(request("blocked", run="true"), blocked_regions=["local"])
+        await backend.launch(request("blocked", run="true", blocked_regions=("local",)))
     assert info.value.regions_tried == ["local"]
     assert not await backend.cluster_exists("blocked")
 

@@ -75,7 +75,7 @@ async def test_the_end_of_a_task_is_readable_after_its_supervisor_died(
 async def test_terminate_lets_ranks_that_stop_on_sigterm_exit_within_the_grace(
     backend: LocalBackend, shared: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.backends.local.backend")
+    caplog.set_level(logging.INFO, logger="services.backends.local.processes")
     sleep, marker = unique_sleep()
     run = f"trap 'echo checkpointed > {shared}/marker; exit 0' TERM; echo ready; {sleep} & wait"
     handle = await backend.launch(request("graceful", num_nodes=2, run=run))
@@ -94,7 +94,7 @@ async def test_terminate_lets_ranks_that_stop_on_sigterm_exit_within_the_grace(
 async def test_terminate_kills_ranks_that_ignore_sigterm_once_the_grace_ran_out(
     backend: LocalBackend, shared: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="services.backends.local.backend")
+    caplog.set_level(logging.INFO, logger="services.backends.local.processes")
     sleep, marker = unique_sleep()
     said = shared / "marker"
     # Past SIGTERM the rank waits for the test's go, says it still runs, and runs on.

@@ -24,11 +24,11 @@ from services.backends import (
     BackendUnreachableError,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
-    TaskRequest,
     TaskStatus,
     make_backend,
 )
@@ -43,8 +43,8 @@ SHORT = {"connect_timeout": 1.5, "command_timeout": 3.0}
 Factory = Callable[..., SSHBackend]
 
 
-def request(name: str, **fields: Any) -> TaskRequest:
-    return TaskRequest(
+def request(name: str, **fields: Any) -> LaunchPlan:
+    return LaunchPlan(
         job_id=fields.pop("job_id", 1),
         task_id=fields.pop("task_id", 0),
         epoch=fields.pop("epoch", 1),
@@ -248,7 +248,7 @@ async def test_impossible_or_busy_requests(backends: Factory, hosts: SshHosts) -
     cpu = await backend.launch(request("third", job_id=3, cpus="2+", region="cpus"))
     assert cpu.region == "cpus"
     with pytest.raises(PrecheckError, match="blocked"):
-        await backend.launch(request("fourth", job_id=4, region="cpus"), blocked_regions=["cpus"])
+        await backend.launch(request("fourth", job_id=4, region="cpus", blocked_regions=("cpus",)))
 
 
 async def test_terminate_leaves_no_process_and_no_folder(

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 
 from services.backends import (
+    BACKEND,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     backend_settings,
 )
@@ -20,7 +21,7 @@ from services.backends.ssh.config import Accelerators, load_node_pools, parse_no
 from services.backends.ssh.placement import Need, fits, parse_need, pools_to_try
 from services.backends.ssh.reaper import newest_launches, releases
 from services.backends.ssh.state import HostScan, RankState, Reservation, judge
-from services.common.settings import BACKEND, parse
+from services.common.settings import parse
 from services.launcher.main import main as stack_main
 from services.launcher.stack import Stack
 
@@ -140,8 +141,8 @@ def test_a_service_given_a_bad_file_prints_one_line_and_exits(
     assert parsed.ssh_node_pools == str(good)
 
 
-def request(**fields: object) -> TaskRequest:
-    return TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="c", **fields)  # type: ignore[arg-type]
+def request(**fields: object) -> LaunchPlan:
+    return LaunchPlan(job_id=1, task_id=0, epoch=1, cluster_name="c", **fields)  # type: ignore[arg-type]
 
 
 def test_needs_read_at_least_and_accelerator_counts() -> None:
@@ -184,9 +185,9 @@ def test_fits_checks_what_a_host_declares_and_trusts_what_it_leaves_out(
 def plan_names(pools: dict[str, object], **fields: object) -> list[tuple[str, list[str]]]:
     candidates = fields.pop("candidates", ())
     blocked = fields.pop("blocked", ())
-    req = request(**fields)
-    plan = pools_to_try(pools, req, parse_need(req), candidates, blocked)  # type: ignore[arg-type]
-    return [(pool.name, [h.ip for h in hosts]) for pool, hosts in plan]
+    plan = request(**fields).within(candidates, blocked)  # type: ignore[arg-type]
+    tried = pools_to_try(pools, plan, parse_need(plan))  # type: ignore[arg-type]
+    return [(pool.name, [h.ip for h in hosts]) for pool, hosts in tried]
 
 
 def test_pools_are_tried_in_order_pinned_filtered_and_blocked(

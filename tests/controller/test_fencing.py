@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
-from services.backends import TaskRequest
+from services.backends import LaunchPlan
 from services.backends.local.backend import LocalBackend
 from services.controller.fencing import LeaseGuard
-from services.controller.link import LeaseLost, Link, MovedAway
+from services.controller.lease import Lease
+from services.controller.messages import LeaseLost, MovedAway
 
 
 async def test_no_launch_or_terminate_without_a_lease(tmp_path: Path) -> None:
@@ -27,7 +28,7 @@ async def test_no_launch_or_terminate_without_a_lease(tmp_path: Path) -> None:
 
     backend = LocalBackend(tmp_path)
     guard = LeaseGuard(backend, wait_lease)
-    request = TaskRequest(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
+    request = LaunchPlan(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
     with pytest.raises(LeaseLost):
         await guard.launch(request)
     assert not await backend.cluster_exists("mj-1-0")
@@ -59,13 +60,13 @@ async def test_a_draining_replica_changes_nothing_even_with_its_lease(tmp_path: 
 
     backend = LocalBackend(tmp_path)
     guard = LeaseGuard(backend, wait_lease, lambda: draining["yes"])
-    request = TaskRequest(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
+    request = LaunchPlan(job_id=1, task_id=0, epoch=3, cluster_name="mj-1-0", run="sleep 30")
     handle = await guard.launch(request)
     try:
         draining["yes"] = True
         with pytest.raises(MovedAway):
             await guard.launch(
-                TaskRequest(job_id=2, task_id=0, epoch=1, cluster_name="mj-2-0", run="true")
+                LaunchPlan(job_id=2, task_id=0, epoch=1, cluster_name="mj-2-0", run="true")
             )
         assert not await backend.cluster_exists("mj-2-0")
         for call in (
@@ -85,70 +86,87 @@ def test_lease_lost_stops_a_job_like_a_move_away() -> None:
     assert issubclass(LeaseLost, MovedAway)
 
 
-async def _nothing(*_: object) -> None:
+async def _nothing() -> None:
     return None
 
 
-def _link(now: list[float]) -> Link:
-    link = Link("127.0.0.1:1", pb.ControllerHello, _nothing, _nothing, clock=lambda: now[0])
-    link.lease_ttl = 10.0
-    link.heartbeat_interval = 1.0
-    return link
+def _lease(now: list[float]) -> tuple[Lease, asyncio.Event]:
+    """A lease on the clock `now[0]`, and the event its link sets while a stream is up."""
+    connected = asyncio.Event()
+    lease = Lease(connected, _nothing, clock=lambda: now[0], sleep=asyncio.sleep)
+    lease.ttl = 10.0
+    lease.heartbeat_interval = 1.0
+    return lease, connected
+
+
+def _heartbeat(lease: Lease, now: list[float], seq: int, sent: float, answered: float) -> None:
+    """Heartbeat `seq` leaves at `sent` and its ack is read at `answered`."""
+    now[0] = sent
+    lease.sent(seq)
+    now[0] = answered
+    lease.answered(seq)
 
 
 def test_lease_view_runs_out_a_margin_before_the_ttl() -> None:
     now = [100.0]
-    link = _link(now)
-    assert not link.lease_valid()  # never renewed
-    link.connected.set()
-    link._renewed(100.0)
+    lease, connected = _lease(now)
+    assert not lease.valid()  # never renewed
+    connected.set()
+    lease.renewed(100.0)
     now[0] = 108.9
-    assert link.lease_valid()
+    assert lease.valid()
     # The scheduler's lease lasts until 110 at the earliest; ours ends a margin before.
     now[0] = 109.1
-    assert not link.lease_valid()
+    assert not lease.valid()
 
 
 def test_lease_needs_a_live_stream() -> None:
     now = [100.0]
-    link = _link(now)
-    link._renewed(100.0)
-    assert not link.lease_valid()
-    link.connected.set()
-    assert link.lease_valid()
+    lease, connected = _lease(now)
+    lease.renewed(100.0)
+    assert not lease.valid()
+    connected.set()
+    assert lease.valid()
 
 
 def test_an_ack_buffered_through_a_stall_does_not_renew_the_lease() -> None:
     """SIGSTOP right after a heartbeat left; on SIGCONT its ack is read: the lease is
     renewed from when the heartbeat was sent, so it has run out."""
     now = [100.0]
-    link = _link(now)
-    link.connected.set()
-    link._renewed(100.0)
-    link._sent_at[7] = 100.5  # heartbeat 7 sent
-    now[0] = 130.0  # paused for 30 s, past the scheduler's lease
-    link._acked(pb.ReportAck(ack_seq=7, accepted=True))
-    assert not link.lease_valid()
+    lease, connected = _lease(now)
+    connected.set()
+    lease.renewed(100.0)
+    # Heartbeat 7 sent; paused for 30 s, past the scheduler's lease, before its ack.
+    _heartbeat(lease, now, 7, sent=100.5, answered=130.0)
+    assert not lease.valid()
     # A heartbeat sent now and acked renews it.
-    link._sent_at[8] = 130.0
-    now[0] = 130.2
-    link._acked(pb.ReportAck(ack_seq=8, accepted=True))
-    assert link.lease_valid()
+    _heartbeat(lease, now, 8, sent=130.0, answered=130.2)
+    assert lease.valid()
+
+
+def test_only_a_heartbeats_answer_renews_the_lease() -> None:
+    now = [100.0]
+    lease, connected = _lease(now)
+    connected.set()
+    lease.renewed(100.0)
+    now[0] = 109.5
+    lease.answered(12)  # the ack of a report, not of a heartbeat
+    assert not lease.valid()
 
 
 async def test_a_backend_call_waits_for_the_stream_within_the_lease() -> None:
     now = [100.0]
-    link = _link(now)
-    link._renewed(100.0)
-    waiting = asyncio.create_task(link.wait_lease())
+    lease, connected = _lease(now)
+    lease.renewed(100.0)
+    waiting = asyncio.create_task(lease.wait())
     await asyncio.sleep(0.01)
     assert not waiting.done()
-    link.connected.set()
+    connected.set()
     assert await asyncio.wait_for(waiting, 1)
     # Past the lease, it does not wait at all.
-    link.connected.clear()
+    connected.clear()
     now[0] = 200.0
-    assert not await asyncio.wait_for(link.wait_lease(), 1)
+    assert not await asyncio.wait_for(lease.wait(), 1)
 
 
 async def test_a_late_answer_on_a_live_stream_is_waited_for_not_taken_as_a_lost_lease() -> None:
@@ -156,21 +174,19 @@ async def test_a_late_answer_on_a_live_stream_is_waited_for_not_taken_as_a_lost_
     stream is up: the scheduler still counts the lease (it renews on receipt), so a
     backend call waits for the next acknowledgement instead of dropping the job."""
     now = [100.0]
-    link = _link(now)
-    link.connected.set()
-    link._renewed(100.0)
+    lease, connected = _lease(now)
+    connected.set()
+    lease.renewed(100.0)
     now[0] = 120.0  # the view ran out at 109; no answer since
-    waiting = asyncio.create_task(link.wait_lease())
+    waiting = asyncio.create_task(lease.wait())
     await asyncio.sleep(0.01)
     assert not waiting.done()
     # An answer to a heartbeat sent long ago renews nothing: still waiting.
-    link._sent_at[7] = 101.0
-    link._acked(pb.ReportAck(ack_seq=7, accepted=True))
+    _heartbeat(lease, now, 7, sent=101.0, answered=120.0)
     await asyncio.sleep(0.01)
     assert not waiting.done()
     # The answer to a fresh heartbeat, on the same stream: the call goes ahead.
-    link._sent_at[8] = 119.5
-    link._acked(pb.ReportAck(ack_seq=8, accepted=True))
+    _heartbeat(lease, now, 8, sent=119.5, answered=120.0)
     assert await asyncio.wait_for(waiting, 1)
 
 
@@ -180,20 +196,21 @@ async def test_a_new_streams_lease_counts_once_its_first_heartbeat_is_answered()
     Until that answer no call goes ahead, however fresh the last renewal; a call waiting
     for it goes ahead after it."""
     now = [100.0]
-    link = _link(now)
-    link.connected.set()
-    link._renewed(100.0)
-    assert link.lease_valid()
+    lease, connected = _lease(now)
+    connected.set()
+    lease.renewed(100.0)
+    assert lease.valid()
     # The stream breaks; a new one is welcomed a second later.
-    link.connected.clear()
+    connected.clear()
+    lease.ended()
     now[0] = 101.0
-    link._welcomed(pb.ControllerWelcome(lease_ttl_seconds=10.0))
-    assert link.connected.is_set() and not link.lease_valid()
-    waiting = asyncio.create_task(link.wait_lease())
+    lease.welcomed(pb.ControllerWelcome(lease_ttl_seconds=10.0))
+    connected.set()
+    assert not lease.valid()
+    waiting = asyncio.create_task(lease.wait())
     await asyncio.sleep(0)
     assert not waiting.done()
     # The answer to the new stream's first heartbeat.
-    link._sent_at[9] = 101.0
-    link._acked(pb.ReportAck(ack_seq=9, accepted=True))
+    _heartbeat(lease, now, 9, sent=101.0, answered=101.0)
     assert await asyncio.wait_for(waiting, 1)
-    assert link.lease_valid()
+    assert lease.valid()

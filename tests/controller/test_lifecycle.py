@@ -63,7 +63,7 @@ from services.backends import Backend, ClusterHandle, cluster_name
 from services.common.statuses import IllegalTransition, JobStatus
 from services.controller.config import LifecycleConfig
 from services.controller.launching import Backoff
-from services.controller.link import MovedAway, Refused
+from services.controller.messages import MovedAway, Refused
 from services.controller.metrics import MeteredBackend
 from services.controller.strategies import EagerNextRegion, Failover, strategy_for
 from services.scheduler.spec.parse import parse_job_spec
@@ -112,7 +112,7 @@ def noticed_after_looks(looks: int) -> Callable[[Host], None]:
     0 when it came pushed, 1 when the first poll after it saw it."""
 
     def check(host: Host) -> None:
-        recovering = next(r for r in host.reports if r.status == RECOVERING)
+        recovering = next(r for r in host.reports if r.sent.status == RECOVERING)
         asked = recovering.looks - host.marks["preempted"]
         assert 0 <= asked <= looks, f"{asked} backend calls for news; {looks} would do"
 
@@ -444,11 +444,11 @@ async def test_lifecycle_path(world: World, row: Row) -> None:
     assert not host.slot.held
     # Counts and failure reason as last reported.
     for spec_task, (recoveries, restarts) in zip(job.tasks, row.counts, strict=True):
-        reports = [r for r in host.reports if r.task_id == spec_task.task_id]
+        reports = [r.sent for r in host.reports if r.sent.task_id == spec_task.task_id]
         if reports:
-            fields = reports[-1].fields
-            assert (fields["recovery_count"], fields["restart_count"]) == (recoveries, restarts)
-    reasons = [r.fields["failure_reason"] for r in host.reports if r.fields.get("failure_reason")]
+            last = reports[-1]
+            assert (last.recovery_count, last.restart_count) == (recoveries, restarts)
+    reasons = [r.sent.failure_reason for r in host.reports if r.sent.failure_reason]
     if row.failure:
         assert reasons and row.failure in reasons[-1], reasons
     else:
@@ -481,9 +481,9 @@ def _condition_set_then_cleared(host: Host) -> None:
 
 def _assert_common_order(host: Host, job: job_pb2.Job) -> None:
     """What every row must show, whatever its path."""
-    for report in host.reports:
-        if report.status == STARTING:
-            assert report.message == f"resources {job.tasks[report.task_id].resources}"
+    for sent in (r.sent for r in host.reports):
+        if sent.status == STARTING:
+            assert sent.message == f"resources {job.tasks[sent.task_id].resources}"
     timeline = host.timeline
     for task in job.tasks:
         t = str(task.task_id)
@@ -509,7 +509,7 @@ def _assert_common_order(host: Host, job: job_pb2.Job) -> None:
     moves = [n for n in host.notes if n.endswith("]") and " [was " in n]
     assert len(moves) == len(host.reports)
     for move, report in zip(moves, host.reports, strict=True):
-        assert move.startswith(f"task {report.task_id}: {report.status.name}")
+        assert move.startswith(f"task {report.sent.task_id}: {report.sent.status.name}")
 
 
 async def test_logs_of_a_success_are_fetched_before_teardown(world: World) -> None:
@@ -617,7 +617,7 @@ async def test_a_refused_report_ends_the_job_failed_controller_after_cleanup(wor
     await running.finished()
     host = running.host
     assert host.statuses(0) == [STARTING, S.FAILED_CONTROLLER]
-    assert "rule broken" in host.last(0).fields["failure_reason"]
+    assert "rule broken" in host.last(0).failure_reason
     assert running.reason is not None and "refused a report" in running.reason
     assert not host.slot.held
     assert await world.live(1) == []  # the cluster was torn down
@@ -661,7 +661,7 @@ async def test_a_teardown_the_backend_never_answers_ends_failed_controller_in_bo
     await running.finished(timeout=5)
     host = running.host
     assert host.statuses(0) == [*RAN, S.FAILED_CONTROLLER]
-    assert "stayed unreachable" in host.last(0).fields["failure_reason"]
+    assert "stayed unreachable" in host.last(0).failure_reason
     assert any("retrying until it answers" in note for note in host.notes)
     await world.sim.terminate(world.sim.handle_for("mj-1-0"))
 

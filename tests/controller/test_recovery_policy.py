@@ -28,7 +28,7 @@ from harness.lifecycle_harness import (
     start_job,
 )
 from managedjobs.simcloud.v1 import simcloud_service_pb2 as spb
-from services.backends import Backend, TaskRequest, cluster_name
+from services.backends import Backend, LaunchPlan, cluster_name
 from services.common.statuses import JobStatus
 
 S = JobStatus
@@ -196,10 +196,10 @@ async def test_recovery_policy(world: World, row: Row) -> None:
     await running.finished()
     host = running.host
     assert tuple(host.statuses(0)) == row.statuses
-    last = host.last(0).fields
-    assert (last["recovery_count"], last["restart_count"]) == row.counts
+    last = host.last(0)
+    assert (last.recovery_count, last.restart_count) == row.counts
     if row.failure:
-        assert row.failure in last.get("failure_reason", ""), last
+        assert row.failure in last.failure_reason, last
     inventory = await world.inventory(1)
     if row.spot:
         assert tuple(c.spot for c in inventory) == row.spot
@@ -270,7 +270,7 @@ def test_a_death_by_signal_matches_either_spelling() -> None:
 class _FullEverywhere:
     """A backend with no capacity anywhere (only `launch` is ever called)."""
 
-    async def launch(self, request: Any, regions: Any, blocked: Any) -> Any:
+    async def launch(self, plan: Any) -> Any:
         from services.backends import ResourcesUnavailableError
 
         raise ResourcesUnavailableError("no spot capacity", regions_tried=[REGIONS[0]])
@@ -312,7 +312,7 @@ async def test_launch_timeout_in_the_slot_queue_names_the_failure_that_caused_it
         notes.append,
         launch_timeout=0.1,
     )
-    request = TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="c", use_spot=True)
+    request = LaunchPlan(job_id=1, task_id=0, epoch=1, cluster_name="c", use_spot=True)
     with pytest.raises(NoResources) as raised:
         await launcher.launch(request)
     message = str(raised.value)

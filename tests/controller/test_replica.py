@@ -29,7 +29,7 @@ from services.backends.wrapper import BackendWrapper
 from services.common.channels import ClientSecurity
 from services.controller.config import LifecycleConfig
 from services.controller.joblog import LogsClient
-from services.controller.link import MovedAway
+from services.controller.messages import MovedAway, Report
 from services.controller.replica import Replica
 from services.controller.watch import ClusterWatch
 from services.scheduler.spec.parse import parse_job_spec
@@ -66,28 +66,28 @@ def cancel(job_id: int, epoch: int) -> pb.ConnectControllerResponse:
 async def test_a_cancel_that_arrives_before_its_assignment_is_kept(replica: Replica) -> None:
     """The scheduler sends a cancel as soon as it commits; the assignment it races may
     come after it. The replica keeps the cancel for that (job, epoch)."""
-    await replica.on_message(cancel(7, 3))
-    await replica.on_message(assignment(7, 3))
+    replica.link.dispatch(cancel(7, 3))
+    replica.link.dispatch(assignment(7, 3))
     assert replica.runners[7].cancel.is_set()
 
 
 async def test_an_early_cancel_for_another_epoch_does_not_cancel(replica: Replica) -> None:
-    await replica.on_message(cancel(8, 2))
-    await replica.on_message(assignment(8, 3))
+    replica.link.dispatch(cancel(8, 2))
+    replica.link.dispatch(assignment(8, 3))
     assert not replica.runners[8].cancel.is_set()
 
 
 async def test_a_cancel_reaches_a_running_job_of_its_epoch(replica: Replica) -> None:
-    await replica.on_message(assignment(9, 1))
+    replica.link.dispatch(assignment(9, 1))
     runner = replica.runners[9]
-    await replica.on_message(cancel(9, 1))
+    replica.link.dispatch(cancel(9, 1))
     assert runner.cancel.is_set()
 
 
 async def test_an_older_assignment_never_replaces_a_newer_one(replica: Replica) -> None:
-    await replica.on_message(assignment(10, 5))
+    replica.link.dispatch(assignment(10, 5))
     first = replica.runners[10]
-    await replica.on_message(assignment(10, 4))
+    replica.link.dispatch(assignment(10, 4))
     assert replica.runners[10] is first and first.epoch == 5
 
 
@@ -192,29 +192,29 @@ class Journal:
 
     def __init__(self, replica: Replica, monkeypatch: pytest.MonkeyPatch, answered: bool) -> None:
         self.steps: list[tuple[object, ...]] = []
-        self.posted: list[dict[str, object]] = []
+        self.posted: list[pb.JobHandback] = []
         self.answered = answered
         loop = asyncio.get_running_loop()
         self.never: asyncio.Future[pb.ReportAck] = loop.create_future()
-        monkeypatch.setattr(replica.link, "post", self.post)
-        monkeypatch.setattr(replica.link, "notify", self.notify)
-        monkeypatch.setattr(replica.link, "written", self.written)
+        monkeypatch.setattr(replica.link.outbox, "post", self.post)
+        monkeypatch.setattr(replica.link.outbox, "notify", self.notify)
+        monkeypatch.setattr(replica.link.outbox, "written", self.written)
         monkeypatch.setattr(replica.logs, "note", self.note)
         monkeypatch.setattr(replica.logs, "shipped", self.shipped)
 
-    def post(self, **message: object) -> asyncio.Future[pb.ReportAck]:
+    def post(self, report: Report) -> asyncio.Future[pb.ReportAck]:
         answer: asyncio.Future[pb.ReportAck] = asyncio.get_running_loop().create_future()
-        if "job_handback" not in message:  # the runners' own requests: never answered
+        if not isinstance(report, pb.JobHandback):  # the runners' own requests: never answered
             return answer
-        self.posted.append(message)
+        self.posted.append(report)
         self.steps.append(("posted",))
         if self.answered:
             answer.set_result(pb.ReportAck(accepted=True))
         return answer
 
-    def notify(self, **message: object) -> None:
-        if "job_handback" in message:
-            self.posted.append(message)
+    def notify(self, report: Report) -> None:
+        if isinstance(report, pb.JobHandback):
+            self.posted.append(report)
             self.steps.append(("notified",))
 
     async def written(self) -> None:
@@ -238,16 +238,14 @@ async def test_drain_hands_every_job_back_in_one_message_and_is_bounded(
     replica: Replica, monkeypatch: pytest.MonkeyPatch, answered: bool
 ) -> None:
     for job_id in range(1, 51):
-        await replica.on_message(assignment(job_id, epoch=job_id % 3 + 1))
+        replica.link.dispatch(assignment(job_id, epoch=job_id % 3 + 1))
     journal = Journal(replica, monkeypatch, answered)
     monkeypatch.setattr("services.controller.replica.HANDBACK_TIMEOUT", 0.2)
     runners = list(replica.runners.values())
 
     await asyncio.wait_for(replica.drain(), 5)
 
-    [message] = journal.posted
-    handback = message["job_handback"]
-    assert isinstance(handback, pb.JobHandback)
+    [handback] = journal.posted
     assert sorted((j.job_id, j.epoch) for j in handback.jobs) == [
         (job_id, job_id % 3 + 1) for job_id in range(1, 51)
     ]
@@ -302,7 +300,7 @@ async def test_drain_ships_the_lines_then_sends_the_jobs_back_then_stops_the_run
     assert all(r.unwound.is_set() and r.task.done() for r in slow)
     # With a valid lease, the guard still refuses: the replica is draining.
     replica.link.connected.set()
-    replica.link.last_renewal = time.monotonic()
+    replica.link.lease.last_renewal = time.monotonic()
     with pytest.raises(MovedAway, match="draining"):
         await replica.backend.terminate(ClusterHandle("mj-21-0", "local"), 4)
 
@@ -314,11 +312,9 @@ async def test_a_job_assigned_while_draining_goes_straight_back_unstarted(
     once: no runner would stop it, nor hand it back, before this replica exits."""
     journal = Journal(replica, monkeypatch, answered=True)
     await replica.drain()
-    await replica.on_message(assignment(31, epoch=2))
+    replica.link.dispatch(assignment(31, epoch=2))
     assert 31 not in replica.runners
-    [message] = journal.posted
-    handback = message["job_handback"]
-    assert isinstance(handback, pb.JobHandback)
+    [handback] = journal.posted
     assert [(j.job_id, j.epoch) for j in handback.jobs] == [(31, 2)]
     assert journal.steps == [("note", 31, "handed back: c1 is draining"), ("notified",)]
 
@@ -329,20 +325,21 @@ async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(
     """The stream is up but no heartbeat was answered in time (a loaded scheduler): the
     launch is not made, and the job goes back to the scheduler, which may still count
     this replica's lease: it must not stay assigned to a replica that dropped it."""
-    posted: list[dict[str, object]] = []
+    posted: list[Report] = []
 
-    def post(**message: object) -> asyncio.Future[pb.ReportAck]:
-        posted.append(message)
+    def post(report: Report) -> asyncio.Future[pb.ReportAck]:
+        posted.append(report)
         return asyncio.get_running_loop().create_future()
 
-    monkeypatch.setattr(replica.link, "post", post)
-    replica.link.lease_ttl = 0.2  # how long a launch waits for a fresh answer
+    # Posted, not notified: a handback is sent again on the next stream if this one is down.
+    monkeypatch.setattr(replica.link.outbox, "post", post)
+    replica.link.lease.ttl = 0.2  # how long a launch waits for a fresh answer
     replica.link.connected.set()
     message = assignment(11, 2)
     message.assignment.launch_granted = True
-    await replica.on_message(message)
+    replica.link.dispatch(message)
     runner = replica.runners[11]
     assert runner.task is not None
     await asyncio.wait_for(runner.task, 5)
-    handbacks = [m["job_handback"] for m in posted if "job_handback" in m]
-    assert [[(j.job_id, j.epoch) for j in h.jobs] for h in handbacks] == [[(11, 2)]]  # type: ignore[attr-defined]
+    handbacks = [m for m in posted if isinstance(m, pb.JobHandback)]
+    assert [[(j.job_id, j.epoch) for j in h.jobs] for h in handbacks] == [[(11, 2)]]

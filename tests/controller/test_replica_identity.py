@@ -22,7 +22,7 @@ from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.channels import ClientSecurity, open_channel
 from services.common.security.auth import Role, add_token
-from services.controller.link import unbatched
+from services.controller.messages import unbatched
 from services.scheduler.admission import Limits
 from services.scheduler.main import SchedulerApp
 

@@ -15,14 +15,15 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
-from harness.replica_stream import Replica, hello, holding_a_job
+from harness.replica_stream import IGNORED, Replica, hello, holding_a_job
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1.scheduler_service_pb2_grpc import SchedulerServiceStub
 from services.common.batches import MAX_BATCH_MESSAGES, Batches
 from services.common.statuses import ScheduleState
-from services.controller.link import Link, unbatched
+from services.controller.link import Link
+from services.controller.messages import unbatched
 from services.scheduler.main import SchedulerApp
 
 
@@ -164,20 +165,21 @@ async def test_written_returns_once_what_was_sent_is_on_the_stream(app: Schedule
     stopping every runner: `written` returns once the requests sent so far left (their
     acks come later), and at once while the stream is down (they go on the next)."""
 
-    async def nothing(*_: object) -> None:
+    async def nothing() -> None:
         return None
 
-    link = Link(f"127.0.0.1:{app.server.port}", hello, nothing, nothing)
-    early = link.post(heartbeat=pb.ControllerHeartbeat())
-    await asyncio.wait_for(link.written(), 1)  # not connected: nothing to wait for
+    link = Link(f"127.0.0.1:{app.server.port}", hello, IGNORED, nothing)
+    outbox = link.outbox
+    early = outbox.post(pb.ControllerHeartbeat())
+    await asyncio.wait_for(outbox.written(), 1)  # not connected: nothing to wait for
     running = asyncio.create_task(link.run())
     try:
         await asyncio.wait_for(link.connected.wait(), 10)
         await asyncio.wait_for(early, 10)  # sent again on the stream, answered
-        answers = [link.post(heartbeat=pb.ControllerHeartbeat()) for _ in range(3)]
-        assert not link._outbox.empty()
-        await asyncio.wait_for(link.written(), 10)
-        assert link._outbox.empty()
+        answers = [outbox.post(pb.ControllerHeartbeat()) for _ in range(3)]
+        assert not outbox._queue.empty()
+        await asyncio.wait_for(outbox.written(), 10)
+        assert outbox._queue.empty()
         acks = [await asyncio.wait_for(answer, 10) for answer in answers]
         assert all(ack.accepted for ack in acks)
     finally:

@@ -22,7 +22,7 @@ from harness.logs_harness import (
     running_system,
 )
 from managedjobs.v1 import job_pb2, job_service_pb2_grpc, log_service_pb2
-from services.backends.base import ClusterHandle, TaskRequest
+from services.backends.base import ClusterHandle, LaunchPlan
 from services.backends.local.backend import LocalBackend
 from services.common.security.edge import ServerSecurity
 from services.common.server import Server
@@ -214,7 +214,7 @@ async def test_follow_of_a_real_local_cluster_sends_its_output_once(tmp_path: Pa
     with open_folder(0o755) as shared:
         go = shared / "go"
         run = f"echo one; while [ ! -e {go} ]; do sleep 0.01; done; echo two"
-        request = TaskRequest(job_id=1, task_id=0, epoch=1, cluster_name="mj-1-0", run=run)
+        request = LaunchPlan(job_id=1, task_id=0, epoch=1, cluster_name="mj-1-0", run=run)
         async with running_system(tmp_path, backend) as system:
             system.scheduler.add(1)
             system.scheduler.update(1, status=job_pb2.JOB_STATUS_STARTING, cluster_name="mj-1-0")

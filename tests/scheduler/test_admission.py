@@ -6,13 +6,16 @@ import asyncio
 import dataclasses
 from collections.abc import Callable
 
+from harness.store import move_jobs
 from managedjobs.v1 import job_pb2
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler import queries
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.counters import Counters, live_counts
 from services.scheduler.outbox import Outbox, Stream
-from services.scheduler.store import NewJob, Store
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
 
 S = JobStatus
 St = ScheduleState
@@ -49,10 +52,10 @@ async def test_a_job_too_large_to_assign_fails_and_the_stream_carries_the_others
     sent = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
     assigned = [m.assignment.job.job_id for m in sent if m and m.HasField("assignment")]
     assert assigned == [small, after]
-    failed = await store.get_job(huge)
+    failed = await store.read(queries.job, huge)
     assert failed is not None and failed.schedule_state == St.DONE
     assert failed.status == S.FAILED_CONTROLLER and "cannot be assigned" in failed.failure_reason
-    assert live_counts(counters.counts) == live_counts(await store.recount())
+    assert live_counts(counters.counts) == live_counts(await store.read(queries.recount))
 
 
 async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slots_first(
@@ -78,7 +81,7 @@ async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slo
     hello("fast")
     for _ in range(5):  # 50 jobs running on "fast", every launch slot free again
         ids = await admit(10)
-        moves = await store.move_many(ids, St.LAUNCHING, St.ALIVE, controller_id="fast")
+        moves = await move_jobs(store, ids, St.LAUNCHING, St.ALIVE, controller_id="fast")
         assert len(moves) == 10
     hello("slow")
     await admit(5)  # 5 jobs still launching on "slow"
@@ -87,7 +90,7 @@ async def test_new_jobs_go_to_the_replica_holding_fewest_not_the_one_freeing_slo
     # "slow" holds far fewer: it takes jobs while it has a launch slot, "fast" the rest.
     assert (counters.slots("fast").alive, counters.slots("slow").alive) == (51, 10)
     assert counters.slots("slow").launching == 10
-    assert live_counts(counters.counts) == live_counts(await store.recount())
+    assert live_counts(counters.counts) == live_counts(await store.read(queries.recount))
 
 
 async def until(condition: Callable[[], bool], turns: int = 10_000) -> None:
@@ -113,7 +116,7 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     first = await store.submit(job())
     await admission.schedule()  # `first` takes the only launch slot
     older, _ = await store.submit(job())
-    await store.move_many([first[0]], St.LAUNCHING, St.ALIVE, controller_id="c1")
+    await move_jobs(store, [first[0]], St.LAUNCHING, St.ALIVE, controller_id="c1")
     release = asyncio.Event()
 
     async def hold_the_writer() -> None:
@@ -133,7 +136,7 @@ async def test_a_pass_that_waited_for_the_writer_admits_from_the_queue_as_it_is_
     sent = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
     granted = [m.assignment.job.job_id for m in sent if m and m.HasField("assignment")]
     assert granted[-1] == better_id
-    assert (await store.get_job(older)).schedule_state == St.WAITING  # type: ignore[union-attr]
+    assert (await store.read(queries.job, older)).schedule_state == St.WAITING  # type: ignore[union-attr]
 
 
 async def test_a_pass_over_two_replicas_logs_its_admissions_in_queue_order(
@@ -152,9 +155,11 @@ async def test_a_pass_over_two_replicas_logs_its_admissions_in_queue_order(
         capacity = pb.Capacity(max_launches=10, max_jobs=10)
         admission.connected(pb.ControllerHello(controller_id=cid, capacity=capacity))
     ids = [(await store.submit(job()))[0] for _ in range(5)]
-    after = await store.last_event_id()
+    after = await store.read(queries.last_event_id)
     await admission.schedule()
-    admitted = [e for e in await store.events_after(after) if e.schedule_state == St.LAUNCHING]
+    admitted = [
+        e for e in await store.read(queries.events_after, after) if e.schedule_state == St.LAUNCHING
+    ]
     assert [e.job_id for e in admitted] == ids
     # Spread over both replicas, so the order above is not one replica's statement.
     assert {e.message.removeprefix("admitted on ") for e in admitted} == {"a", "b"}
@@ -178,14 +183,14 @@ async def test_launch_slots_under_a_global_cap_go_in_admission_order_across_repl
     async def asking(cid: str, priority: int) -> int:
         """A job `cid` holds that asks for a launch slot (its next task)."""
         job_id, _ = await store.submit(dataclasses.replace(job(), priority=priority))
-        await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to=cid)
-        await store.move_many([job_id], St.LAUNCHING, St.ALIVE, controller_id=cid)
-        await store.move_many([job_id], St.ALIVE, St.ALIVE_WAITING, controller_id=cid)
+        await move_jobs(store, [job_id], St.WAITING, St.LAUNCHING, assign_to=cid)
+        await move_jobs(store, [job_id], St.LAUNCHING, St.ALIVE, controller_id=cid)
+        await move_jobs(store, [job_id], St.ALIVE, St.ALIVE_WAITING, controller_id=cid)
         return job_id
 
     low, high = await asking("a", 0), await asking("b", 5)
     mid, second = await asking("a", 3), await asking("b", 2)
-    after = await store.last_event_id()
+    after = await store.read(queries.last_event_id)
     await admission.schedule()
     granted = [
         (m.launch_slot_grant.job_id, cid)
@@ -199,13 +204,17 @@ async def test_launch_slots_under_a_global_cap_go_in_admission_order_across_repl
     # replica), and the log lists them in that order.
     admission.limits.global_launches = 4
     await admission.schedule()
-    logged = [e.job_id for e in await store.events_after(after) if e.schedule_state == St.LAUNCHING]
+    logged = [
+        e.job_id
+        for e in await store.read(queries.events_after, after)
+        if e.schedule_state == St.LAUNCHING
+    ]
     assert logged == [high, mid, second, low]
-    assert live_counts(counters.counts) == live_counts(await store.recount())
+    assert live_counts(counters.counts) == live_counts(await store.read(queries.recount))
 
 
 async def state(store: Store, job_id: int) -> St:
-    found = await store.get_job(job_id)
+    found = await store.read(queries.job, job_id)
     assert found is not None
     return St(found.schedule_state)
 

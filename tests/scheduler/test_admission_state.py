@@ -27,17 +27,22 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from harness.store import move_job
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import ScheduleState
+from services.scheduler import queries
 from services.scheduler.admission import Admission, Limits
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.counters import Counters, live_counts
 from services.scheduler.db import Database
+from services.scheduler.endings import finish
 from services.scheduler.events import EventBus
 from services.scheduler.outbox import Outbox
-from services.scheduler.reports import Reports, finish
+from services.scheduler.releases import release_replica
+from services.scheduler.reports import Reports
 from services.scheduler.spec.parse import parse_job_spec
-from services.scheduler.store import NewJob, Store
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
 
 St = ScheduleState
 SPEC = parse_job_spec("name: j\nrun: echo\n")
@@ -79,7 +84,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     # --- helpers -----------------------------------------------------------------------
 
     def jobs(self, state: ScheduleState) -> list[Any]:
-        return self.run(self.store.queued(state, None, 10_000))
+        return self.run(self.store.read(queries.queued_jobs, state, None, 10_000))
 
     def rank(self, state: ScheduleState = St.WAITING) -> dict[int, tuple[int, int]]:
         return {j.id: (-j.priority, j.id) for j in self.jobs(state)}
@@ -140,7 +145,7 @@ class AdmissionMachine(RuleBasedStateMachine):
     def replica_leaves(self, data: st.DataObject) -> None:
         cid = data.draw(st.sampled_from(sorted(self.admission.replicas)))
         self.admission.gone(cid)
-        self.run(self.reports.release_replica(cid))
+        self.run(release_replica(self.store, cid))
         self.schedule()
 
     def _pick(self, data: st.DataObject, state: ScheduleState) -> Any | None:
@@ -165,8 +170,8 @@ class AdmissionMachine(RuleBasedStateMachine):
         for job, backoff in self._some(data, St.LAUNCHING, st.booleans()):
             reason = "backing off after no capacity in r" if backoff else ""
             self.run(
-                self.store.move(job.id, St.LAUNCHING, St.ALIVE, epoch=job.epoch,
-                                controller_id=job.controller_id, wait_reason=reason)
+                move_job(self.store, job.id, St.LAUNCHING, St.ALIVE, epoch=job.epoch,
+                                cid=job.controller_id, wait_reason=reason)
             )  # fmt: skip
             if backoff:
                 self._request(job)
@@ -176,8 +181,8 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     def _request(self, job: Any) -> None:
         self.run(
-            self.store.move(job.id, St.ALIVE, St.ALIVE_WAITING, epoch=job.epoch,
-                            controller_id=job.controller_id)
+            move_job(self.store, job.id, St.ALIVE, St.ALIVE_WAITING, epoch=job.epoch,
+                            cid=job.controller_id)
         )  # fmt: skip
 
     @rule(data=st.data(), state=st.sampled_from([St.LAUNCHING, St.ALIVE, St.ALIVE_WAITING]))
@@ -212,7 +217,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @invariant()
     def counters_equal_a_recount(self) -> None:
-        recount = live_counts(self.run(self.store.recount()))
+        recount = live_counts(self.run(self.store.read(queries.recount)))
         assert live_counts(self.counters.counts) == recount
 
     @invariant()

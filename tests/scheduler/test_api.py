@@ -265,7 +265,7 @@ async def test_waiting_jobs_say_why(client: job_service_pb2_grpc.JobServiceStub)
 
 
 def test_sent_events_skips_repeats_in_any_order() -> None:
-    from services.scheduler.api import SentEvents
+    from services.scheduler.watch import SentEvents
 
     sent = SentEvents()
     assert sent.add(7) and sent.add(5) and sent.add(6)

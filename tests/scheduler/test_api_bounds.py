@@ -21,10 +21,11 @@ from managedjobs.v1 import job_service_pb2 as pb
 from managedjobs.v1 import job_service_pb2_grpc
 from services.common.security.edge import ServerSecurity
 from services.common.statuses import JobStatus
+from services.scheduler import queries
 from services.scheduler.admission import Limits
-from services.scheduler.api import MAX_JOB_IDS
 from services.scheduler.main import SchedulerApp
-from services.scheduler.store import set_task_statuses
+from services.scheduler.requests import MAX_JOB_IDS
+from services.scheduler.transitions import set_task_statuses
 
 SPEC = "name: bounded\nrun: echo hi\n"
 QUEUE_LIMIT = 5
@@ -140,7 +141,7 @@ async def test_a_watch_resumed_past_the_newest_event_is_out_of_range_at_once(
     app: SchedulerApp, client: job_service_pb2_grpc.JobServiceStub
 ) -> None:
     await submit(client, 2)
-    head = await app.store.last_event_id()
+    head = await app.store.read(queries.last_event_id)
     for after in (head + 1, 2**63 - 1):
         watch = client.WatchJobs(pb.WatchJobsRequest(after_event_id=after), timeout=5)
         error = await refusal(watch)

@@ -26,6 +26,7 @@ from managedjobs.v1 import job_service_pb2 as jpb
 from services.common import settings
 from services.common.security.edge import ServerSecurity
 from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler import queries
 from services.scheduler.admission import Limits
 from services.scheduler.counters import live_counts
 from services.scheduler.db import Database, OutcomeUnknown
@@ -88,7 +89,7 @@ async def test_a_write_cancelled_at_any_await_point_is_seen_exactly_if_it_commit
         task.cancel()
         result = (await asyncio.gather(task, return_exceptions=True))[0]
         finished_first = finished_first + 1 if not isinstance(result, BaseException) else 0
-        job = await store.get_job(job_id)
+        job = await store.read(queries.job, job_id)
         assert job is not None
         outcomes.add((isinstance(result, asyncio.CancelledError), job.status))
         seen += drained(watcher)
@@ -136,7 +137,7 @@ async def test_a_write_cancelled_during_its_commit_is_published_and_counted(
     finally:
         event.remove(store.db.write_engine, "commit", on_commit)
     assert cancelled.is_set()
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.status == S.RUNNING and job.schedule_state == St.ALIVE
     seen += drained(watcher)
     assert [e.status for e in seen if e.job_id == job_id][-1] == S.RUNNING
@@ -167,7 +168,7 @@ async def test_a_commit_whose_outcome_is_unknown_raises_doubt_and_publishes_noth
         event.remove(store.db.write_engine, "commit", committed_then_lost)
     assert doubts == [1] and store.db.doubts == 1
     assert drained(watcher) == []  # nothing published: nobody knew it committed
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.status == S.RUNNING  # ... though it did
     assert not await followed.matches_a_recount(store)  # the drift a reconcile fixes
     assert await followed.counters.reconcile()
@@ -227,7 +228,7 @@ async def test_counter_drift_is_corrected_at_the_next_tick_under_writes_that_nev
         stop.set()
         ran = await load
     assert app.counters.corrections == corrections + 5
-    assert live_counts(app.counters.counts) == live_counts(await app.store.recount())
+    assert live_counts(app.counters.counts) == live_counts(await app.store.read(queries.recount))
     assert ran > 0
 
 
@@ -248,7 +249,7 @@ async def test_a_write_whose_outcome_is_unknown_is_reconciled_at_once(
     finally:
         event.remove(app.db.write_engine, "commit", committed_then_lost)
     await until(lambda: _true(app.counters.corrections == 1))
-    assert live_counts(app.counters.counts) == live_counts(await app.store.recount())
+    assert live_counts(app.counters.counts) == live_counts(await app.store.read(queries.recount))
 
 
 async def _true(value: bool) -> bool:
@@ -364,7 +365,7 @@ async def test_sqlite_reads_run_on_the_loop_and_every_write_on_one_writer_thread
         ids = [j for j, _ in await sqlite_store.submit_many([new_job() for _ in range(3)])]
         for job_id in ids:
             await assign(sqlite_store, job_id)
-        await sqlite_store.get_jobs(ids)
+        await sqlite_store.read(queries.jobs, ids)
     finally:
         event.remove(db.read_engine, "before_cursor_execute", hooks["read"])
         event.remove(db.write_engine, "before_cursor_execute", hooks["write"])

@@ -14,7 +14,8 @@ from services.scheduler.db.id_lists import ids_param, in_ids
 from services.scheduler.db.models import JOBS, TASKS
 from services.scheduler.events import EventBus
 from services.scheduler.spec.parse import parse_job_spec
-from services.scheduler.store import NewJob, Store
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
 
 IDS = ids_param("ids")
 PAIRS = ids_param("pairs")

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from services.scheduler.db import OutcomeUnknown
 from services.scheduler.intake import Intake
-from services.scheduler.store import NewJob
+from services.scheduler.submissions import NewJob
 
 
 def job(name: str) -> NewJob:

@@ -26,6 +26,7 @@ import grpc
 from sqlalchemy import select
 
 from harness.replica_stream import Fuzzer, Held, Replica, hello
+from harness.store import move_jobs
 from harness.waiting import reached, wait_for
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc
@@ -33,10 +34,11 @@ from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.event_messages import LEASE_ENDED
 from services.common.security.edge import ServerSecurity
 from services.common.statuses import ScheduleState as St
+from services.scheduler import queries
 from services.scheduler.admission import Limits
 from services.scheduler.db.models import EventRow
+from services.scheduler.leases import WATCHDOG_TICK
 from services.scheduler.main import SchedulerApp
-from services.scheduler.replicas import WATCHDOG_TICK
 
 TTL = 10.0
 HEARTBEAT = 2.0
@@ -133,7 +135,7 @@ async def test_a_closed_streams_jobs_resume_elsewhere_at_once_with_the_next_epoc
         assert other.held == Held(held.job_id, held.epoch + 1)
         moved = await job(jobs, held.job_id)
         assert moved.controller_id == "controller-2"
-        assert [cid for cid, _ in app.replicas.expired] == ["controller-1"]
+        assert [cid for cid, _ in app.leases.expired] == ["controller-1"]
 
         # The old holder comes back still running the job: told at once it lost it, and
         # its late report at the old epoch changes nothing.
@@ -163,8 +165,8 @@ async def test_a_job_committed_to_a_replica_after_its_lease_ended_is_released_at
     ):
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
         submitted = await jobs.SubmitJob(jpb.SubmitJobRequest(spec_yaml="run: x\n"), timeout=10)
-        [move] = await app.store.move_many(
-            [submitted.job_id], St.WAITING, St.LAUNCHING, assign_to="controller-9"
+        [move] = await move_jobs(
+            app.store, [submitted.job_id], St.WAITING, St.LAUNCHING, assign_to="controller-9"
         )
         assert move.new_controller == "controller-9"
         released = await wait_for(
@@ -183,13 +185,13 @@ async def test_a_silent_replica_with_its_stream_open_keeps_its_jobs_until_the_tt
     async with scheduler(database_url, naps) as app, replica_holding_a_job(app) as (_, jobs, held):
         naps.advance(TTL - 0.5)
         assert (await job(jobs, held.job_id)).controller_id == "controller-1"
-        assert app.replicas.expired == []
+        assert app.leases.expired == []
         naps.advance(0.5)
         released = await wait_for(
             lambda: _released(jobs, held.job_id), what="the job released from controller-1"
         )
         assert released.controller_id == ""
-        assert [cid for cid, _ in app.replicas.expired] == ["controller-1"]
+        assert [cid for cid, _ in app.leases.expired] == ["controller-1"]
 
 
 async def _released(jobs: job_service_pb2_grpc.JobServiceStub, job_id: int) -> jpb.Job | None:
@@ -216,14 +218,14 @@ async def test_a_late_watchdog_reads_the_waiting_heartbeats_before_it_judges_the
         assert naps.asleep_until(deadline)
         naps.advance(TTL + 5.0)  # the stall: the watchdog wakes 5 s late
         await wait_for(lambda: _grace_or_expiry(app, naps), what="a nap, or an expiry")
-        assert app.replicas.expired == []
+        assert app.leases.expired == []
         # The heartbeat the stall held back is read, and answered.
         assert (await replica.report(heartbeat())).accepted
         naps.advance(WATCHDOG_TICK)
         # Judged again: renewed, the watchdog sleeps until the new deadline.
         renewed = naps.now - WATCHDOG_TICK + TTL
         await wait_for(lambda: _asleep_until(naps, renewed), what="a nap to the renewed deadline")
-        assert app.replicas.expired == []
+        assert app.leases.expired == []
         assert (await job(jobs, held.job_id)).controller_id == "controller-1"
         assert not any(m.HasField("revoke") for m in replica.received)
 
@@ -233,14 +235,14 @@ async def test_a_late_watchdog_still_expires_a_silent_replica(database_url: str)
     async with scheduler(database_url, naps) as app, replica_holding_a_job(app) as (_, jobs, held):
         naps.advance(TTL + 5.0)
         await wait_for(lambda: _grace_or_expiry(app, naps), what="the watchdog's nap")
-        assert app.replicas.expired == []
+        assert app.leases.expired == []
         naps.advance(WATCHDOG_TICK)  # nothing came meanwhile
         await wait_for(lambda: _released(jobs, held.job_id), what="the job released")
-        assert [cid for cid, _ in app.replicas.expired] == ["controller-1"]
+        assert [cid for cid, _ in app.leases.expired] == ["controller-1"]
 
 
 async def _grace_or_expiry(app: SchedulerApp, naps: Naps) -> bool:
-    return bool(app.replicas.expired) or naps.asleep_until(naps.now + WATCHDOG_TICK)
+    return bool(app.leases.expired) or naps.asleep_until(naps.now + WATCHDOG_TICK)
 
 
 async def _asleep_until(naps: Naps, end: float) -> bool:
@@ -268,8 +270,8 @@ async def test_a_replica_whose_new_stream_replaces_its_old_one_keeps_its_jobs(
         await reached(old.reader, what="the old stream to end")
         assert kinds(new).count("revoke") == 0
         kept = await job(jobs, held.job_id)
-        assert (kept.controller_id, app.replicas.expired) == ("controller-1", [])
-        assert app.replicas.leases["controller-1"].connected
+        assert (kept.controller_id, app.leases.expired) == ("controller-1", [])
+        assert app.leases.current["controller-1"].connected
         new.close()
 
 
@@ -288,6 +290,6 @@ async def test_a_scheduler_shutting_down_leaves_the_replicas_their_jobs(
         grpc.aio.insecure_channel(f"127.0.0.1:{again.server.port}") as channel,
     ):
         kept = await job(job_service_pb2_grpc.JobServiceStub(channel), held.job_id)
-        assert await again.store.held_by("controller-1") == {held.job_id: held.epoch}
+        assert await again.store.read(queries.held_by, "controller-1") == {held.job_id: held.epoch}
     assert kept.controller_id == "controller-1"
-    assert app.replicas.expired == [] and again.replicas.expired == []
+    assert app.leases.expired == [] and again.leases.expired == []

@@ -10,7 +10,8 @@ from harness.store import new_job
 from services.common.statuses import JobStatus
 from services.scheduler.db.models import ATTEMPTS, JOBS, AttemptRow, JobRow
 from services.scheduler.db.rows import Tracked, values_of
-from services.scheduler.store import Store, Txn
+from services.scheduler.store import Store
+from services.scheduler.txn import Txn
 
 S = JobStatus
 

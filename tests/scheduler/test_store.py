@@ -21,22 +21,30 @@ from harness.store import (
     chain,
     count,
     finished,
+    move_job,
+    move_jobs,
     new_job,
     report,
     transition,
 )
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from services.common.statuses import JobStatus, ScheduleState
+from services.scheduler import queries
 from services.scheduler.cancels import Cancels, Targets
 from services.scheduler.db import Database
 from services.scheduler.db.models import EventRow, JobRow, TaskRow
 from services.scheduler.db.sqlite import Checkpointer
+from services.scheduler.db.statistics import ANALYZE_FIRST
 from services.scheduler.deadlines import PendingDeadlines
 from services.scheduler.events import EventBus
+from services.scheduler.moves import move_many
 from services.scheduler.outbox import Outbox
+from services.scheduler.releases import release_replica
 from services.scheduler.reports import Refusal, Reports
 from services.scheduler.spec.parse import parse_job_spec
-from services.scheduler.store import ANALYZE_FIRST, Move, NewJob, Store, move_many
+from services.scheduler.store import Store
+from services.scheduler.submissions import NewJob
+from services.scheduler.txn import Move
 
 S = JobStatus
 St = ScheduleState
@@ -46,7 +54,7 @@ async def test_submit_stores_job_tasks_and_first_event(store: Store, bus: EventB
     sub = bus.subscribe()
     job_id, created = await store.submit(new_job(chain(2)))
     assert created
-    job = await store.get_job(job_id, with_specs=True)
+    job = await store.read(queries.job, job_id, with_specs=True)
     assert job is not None
     assert job.name == "chain"
     assert [t.name for t in job.tasks] == ["t0", "t1"]
@@ -105,11 +113,11 @@ async def test_move_is_conditional_on_state_epoch_and_holder(store: Store) -> No
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
     # Already assigned: a second assignment does not happen.
-    moves = await store.move_many([job_id], St.WAITING, St.LAUNCHING, assign_to="c2")
+    moves = await move_jobs(store, [job_id], St.WAITING, St.LAUNCHING, assign_to="c2")
     assert moves == []
-    assert await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=0, controller_id="c1") is None
-    assert await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, controller_id="c2") is None
-    moved = await store.move(job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, controller_id="c1")
+    assert await move_job(store, job_id, St.LAUNCHING, St.ALIVE, epoch=0, cid="c1") is None
+    assert await move_job(store, job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, cid="c2") is None
+    moved = await move_job(store, job_id, St.LAUNCHING, St.ALIVE, epoch=epoch, cid="c1")
     assert moved == Move(job_id, "c1", "c1", epoch, St.LAUNCHING, St.ALIVE)
 
 
@@ -145,7 +153,7 @@ async def test_stale_and_invalid_reports_are_refused_apart(store: Store) -> None
     # A report from another replica with the right epoch is stale too.
     [ack] = await report(store, "c2", transition(job_id, epoch, S.RUNNING))
     assert ack.refusal == Refusal.STALE
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.status == S.STARTING
 
 
@@ -159,7 +167,7 @@ async def test_terminal_status_only_changes_to_failed_controller(store: Store) -
     await accepted(
         store, "c1", transition(job_id, epoch, S.FAILED_CONTROLLER, failure_reason="leaked")
     )
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.status == S.FAILED_CONTROLLER
     assert job.failure_reason == "leaked"
 
@@ -169,19 +177,19 @@ async def test_job_shows_the_first_unfinished_task(store: Store) -> None:
     epoch = await assign(store, job_id)
     for status in (S.STARTING, S.RUNNING, S.SUCCEEDED):
         await accepted(store, "c1", transition(job_id, epoch, status))
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and (job.current_task_id, job.status) == (1, S.PENDING)
     for status in (S.STARTING, S.RUNNING, S.FAILED):
         await accepted(
             store, "c1", transition(job_id, epoch, status, task_id=1, failure_reason="boom")
         )
     await accepted(store, "c1", transition(job_id, epoch, S.CANCELLED, task_id=2))
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None
     assert (job.current_task_id, job.status, job.failure_reason) == (1, S.FAILED, "boom")
     # A cleanup that failed on the first task's cluster makes it the one shown.
     await accepted(store, "c1", transition(job_id, epoch, S.FAILED_CONTROLLER, task_id=0))
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and (job.current_task_id, job.status) == (0, S.FAILED_CONTROLLER)
 
 
@@ -193,11 +201,11 @@ async def test_a_condition_is_set_and_cleared_without_a_status_change(store: Sto
     await accepted(
         store, "c1", transition(job_id, epoch, S.RUNNING, condition="unreachable since 12:00")
     )
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.tasks[0].condition == "unreachable since 12:00"
     assert job.tasks[0].HasField("condition_time") and job.status == S.RUNNING
     await accepted(store, "c1", transition(job_id, epoch, S.RUNNING, condition=""))
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.tasks[0].condition == ""
 
 
@@ -244,7 +252,7 @@ async def test_hot_statements_use_indexes_on_sqlite(tmp_path: Path) -> None:
         jobs = [new_job(key=f"k{i}", priority=i % 2) for i in range(4)]
         ids = [job_id for job_id, _ in await store.submit_many(jobs)]
         assert [j for j, _ in await store.submit_many(jobs[:1])] == ids[:1]
-        assert len(await store.queued(St.WAITING, None, 2)) == 2
+        assert len(await store.read(queries.queued_jobs, St.WAITING, None, 2)) == 2
         epochs = [await assign(store, job_id) for job_id in ids]
         for status in (S.STARTING, S.RUNNING):
             await accepted(
@@ -252,7 +260,7 @@ async def test_hot_statements_use_indexes_on_sqlite(tmp_path: Path) -> None:
                 "c1",
                 *[transition(j, e, status, attempt=1) for j, e in zip(ids, epochs, strict=True)],
             )
-        assert len(await store.queued(St.LAUNCHING, "c1", 10)) == 4
+        assert len(await store.read(queries.queued_jobs, St.LAUNCHING, "c1", 10)) == 4
     finally:
         for engine in engines:
             event.remove(engine, "before_cursor_execute", record)
@@ -276,13 +284,13 @@ async def test_postgres_statistics_are_gathered_as_the_jobs_grow(store: Store) -
     batch at 100,000 jobs, with autovacuum off). The store gathers them once it inserted
     ANALYZE_FIRST jobs, then each time that count grew ANALYZE_GROWTH times."""
     await store.submit_many([new_job(key=f"a-{i}") for i in range(ANALYZE_FIRST - 1)])
-    assert store.analyzing is None
+    assert store.statistics.analyzing is None
     await store.submit_many([new_job(key=f"a-{i}") for i in range(ANALYZE_FIRST + 1)])
     if store.db.is_sqlite:
-        assert store.analyzing is None  # SQLite's planner needs none here
+        assert store.statistics.analyzing is None  # SQLite's planner needs none here
         return
-    assert store.analyzing is not None
-    await store.analyzing
+    assert store.statistics.analyzing is not None
+    await store.statistics.analyzing
     analyzed = await store.read(
         lambda conn: conn.scalar(
             text("SELECT analyze_count FROM pg_stat_user_tables WHERE relname = 'jobs'")
@@ -295,9 +303,9 @@ async def test_postgres_statistics_are_gathered_as_the_jobs_grow(store: Store) -
     # The statistics know how many jobs there are (repeated keys were not stored again).
     assert rows == ANALYZE_FIRST + 1
     # The next time is after four times as many.
-    first = store.analyzing
+    first = store.statistics.analyzing
     await store.submit_many([new_job(key=f"b-{i}") for i in range(10)])
-    assert store.analyzing is first
+    assert store.statistics.analyzing is first
 
 
 async def test_a_status_change_costs_the_same_whatever_the_chain_length(store: Store) -> None:
@@ -314,7 +322,7 @@ async def test_a_status_change_costs_the_same_whatever_the_chain_length(store: S
                     before = len(seen)
                     await accepted(store, "c1", transition(job_id, epoch, status, task_id=task_id))
                     sizes.append(len(seen) - before)
-        job = await store.get_job(job_id)
+        job = await store.read(queries.job, job_id)
         assert job is not None
         assert (job.current_task_id, job.status) == (2, S.PENDING)
     assert per_length[3] == per_length[300], per_length
@@ -339,7 +347,7 @@ async def test_a_batch_of_finished_jobs_reads_their_tasks_in_one_statement(store
     # The tasks the transitions name, then the unfinished tasks of the finished jobs.
     assert len(task_reads) == 2, task_reads
     for job_id in ids:
-        job = await store.get_job(job_id)
+        job = await store.read(queries.job, job_id)
         assert job is not None and job.schedule_state == St.DONE
         assert [t.status for t in job.tasks] == [S.CANCELLED, S.CANCELLED]
 
@@ -354,7 +362,7 @@ async def test_finish_closes_unfinished_tasks_along_the_table(store: Store) -> N
     # The lifecycle ended without a final status (a bug, or a refused report): a RUNNING
     # task cannot become CANCELLED (the table forbids it), so it fails with the reason.
     await accepted(store, "c1", finished(job_id, epoch, "the scheduler refused a report"))
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None and job.schedule_state == St.DONE
     assert [t.status for t in job.tasks] == [S.FAILED_CONTROLLER, S.CANCELLED, S.CANCELLED]
     assert job.tasks[0].failure_reason == "the scheduler refused a report"
@@ -371,14 +379,14 @@ async def test_release_frees_slots_and_marks_starting_recovering(store: Store) -
     job_id, _ = await store.submit(new_job())
     epoch = await assign(store, job_id)
     await accepted(store, "c1", transition(job_id, epoch, S.STARTING))
-    moves = await Reports(store).release_replica("c1")
+    moves = await release_replica(store, "c1")
     assert [(m.old, m.new, m.new_controller) for m in moves] == [(St.LAUNCHING, St.ALIVE, None)]
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None
     assert job.status == S.RECOVERING and job.controller_id == ""
-    assert [o.id for o in await store.orphans(10)] == [job_id]
+    assert [o.id for o in await store.read(queries.orphans, 10)] == [job_id]
     # Released twice (two expiries racing): the second finds nothing and counts nothing.
-    assert await Reports(store).release_replica("c1") == []
+    assert await release_replica(store, "c1") == []
     assert await followed.matches_a_recount(store)
 
 
@@ -396,14 +404,14 @@ async def test_a_report_applied_before_is_a_replay_and_a_new_assignment_numbers_
     messages = await store.read(lambda conn: conn.execute(query).scalars().all())
     assert messages.count("up") == 1
     # Another holder numbers its reports its own way: they are judged from 0 again.
-    await Reports(store).release_replica("c1")
-    [moved] = await store.move_many([job_id], St.ALIVE, St.ALIVE, assign_to="c2")
+    await release_replica(store, "c1")
+    [moved] = await move_jobs(store, [job_id], St.ALIVE, St.ALIVE, assign_to="c2")
     epoch = moved.epoch
     running = transition(job_id, epoch, S.RUNNING, attempt=1)
     running.seq = 1
     [fresh] = await report(store, "c2", running)
     assert (fresh.accepted, fresh.replay) == (True, False)
-    assert (await store.get_job(job_id)).tasks[0].status == S.RUNNING
+    assert (await store.read(queries.job, job_id)).tasks[0].status == S.RUNNING
     # A report without a number is refused, not taken for a replay.
     unnumbered = transition(job_id, epoch, S.SUCCEEDED)
     unnumbered.seq = 0
@@ -423,7 +431,7 @@ async def test_handback_releases_only_the_epochs_it_names(store: Store) -> None:
         )
     )
     await accepted(store, "c1", handback)
-    jobs = {j.job_id: j for j in await store.get_jobs([a, b])}
+    jobs = {j.job_id: j for j in await store.read(queries.jobs, [a, b])}
     assert (jobs[a].controller_id, jobs[b].controller_id) == ("", "c1")
     assert await followed.matches_a_recount(store)
 
@@ -453,7 +461,7 @@ async def test_cancel_of_an_unstarted_job_is_immediate_and_idempotent(store: Sto
     cancels = Cancels(store, Outbox())
     assert await cancels.cancel(Targets(job_ids=[job_id])) == [job_id]
     assert await cancels.cancel(Targets(job_ids=[job_id])) == []
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None
     assert job.status == S.CANCELLED and job.schedule_state == St.DONE
     assert {t.status for t in job.tasks} == {S.CANCELLED}
@@ -477,7 +485,7 @@ async def test_a_chain_cancelled_before_start_has_an_event_for_each_task(
     store: Store, bus: EventBus
 ) -> None:
     job_id, _ = await store.submit(new_job(chain(3)))
-    after, commits = await store.last_event_id(), store.db.commits
+    after, commits = await store.read(queries.last_event_id), store.db.commits
     watcher = bus.subscribe([job_id])
     await Cancels(store, Outbox()).cancel(Targets(job_ids=[job_id]))
     assert store.db.commits == commits + 1
@@ -501,7 +509,7 @@ async def test_a_chain_that_ends_early_has_an_event_for_each_later_task(store: S
     epoch = await assign(store, job_id)
     for status in (S.STARTING, S.RUNNING, S.FAILED):
         await accepted(store, "c1", transition(job_id, epoch, status))
-    after = await store.last_event_id()
+    after = await store.read(queries.last_event_id)
     await accepted(store, "c1", finished(job_id, epoch))
     assert await changes(store, job_id, after) == [
         (1, S.CANCELLED, St.LAUNCHING, "done", epoch),
@@ -509,7 +517,7 @@ async def test_a_chain_that_ends_early_has_an_event_for_each_later_task(store: S
         (0, S.FAILED, St.DONE, "done", epoch),
     ]
     # A repeated finish changes nothing, so it writes nothing.
-    after = await store.last_event_id()
+    after = await store.read(queries.last_event_id)
     await accepted(store, "c1", finished(job_id, epoch))
     assert await changes(store, job_id, after) == []
 
@@ -519,7 +527,7 @@ async def test_a_chain_past_its_max_pending_has_an_event_for_each_task(store: St
     job_id, _ = await store.submit(
         NewJob("p", "alice", 0, "", "", parsed.tasks, (), parsed.timeouts)
     )
-    after = await store.last_event_id()
+    after = await store.read(queries.last_event_id)
     deadlines = PendingDeadlines(store, lambda: "waiting for a replica")
     submitted = store.clock()
     store.clock = lambda: submitted + dt.timedelta(seconds=61)
@@ -530,7 +538,7 @@ async def test_a_chain_past_its_max_pending_has_an_event_for_each_task(store: St
         (2, S.CANCELLED, St.WAITING, why, 0),
         (0, S.FAILED_NO_RESOURCE, St.DONE, why, 0),
     ]
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None
     assert [t.status for t in job.tasks] == [S.FAILED_NO_RESOURCE, S.CANCELLED, S.CANCELLED]
 
@@ -579,11 +587,11 @@ async def test_a_cancel_after_an_assignment_is_sent_to_the_new_holder(store: Sto
 
 async def test_list_jobs_pages_newest_first_and_filters(store: Store) -> None:
     ids = [(await store.submit(new_job(user="alice" if i % 2 else "bob")))[0] for i in range(5)]
-    first = await store.list_jobs(limit=2)
+    first = await store.read(queries.list_jobs, limit=2)
     assert [j.job_id for j in first] == ids[::-1][:2]
-    rest = await store.list_jobs(limit=10, before_id=first[-1].job_id)
+    rest = await store.read(queries.list_jobs, limit=10, before_id=first[-1].job_id)
     assert [j.job_id for j in rest] == ids[::-1][2:]
-    alice = await store.list_jobs(user="alice")
+    alice = await store.read(queries.list_jobs, user="alice")
     assert {j.user for j in alice} == {"alice"} and len(alice) == 2
 
 
@@ -591,11 +599,13 @@ async def test_events_after_is_ordered_and_filtered(store: Store) -> None:
     a, _ = await store.submit(new_job())
     b, _ = await store.submit(new_job(user="bob"))
     await Cancels(store, Outbox()).cancel(Targets(job_ids=[a]))
-    events = await store.events_after(0)
+    events = await store.read(queries.events_after, 0)
     assert [e.event_id for e in events] == sorted(e.event_id for e in events)
-    assert [e.job_id for e in await store.events_after(0, [a])] == [a, a]
-    assert [e.job_id for e in await store.events_after(events[0].event_id, [b])] == [b]
-    assert {e.job_id for e in await store.events_after(0, user="bob")} == {b}
+    assert [e.job_id for e in await store.read(queries.events_after, 0, [a])] == [a, a]
+    assert [e.job_id for e in await store.read(queries.events_after, events[0].event_id, [b])] == [
+        b
+    ]
+    assert {e.job_id for e in await store.read(queries.events_after, 0, user="bob")} == {b}
 
 
 async def test_tasks_rows_cascade_with_job(store: Store) -> None:
@@ -609,9 +619,9 @@ async def test_secrets_and_timeouts_are_kept_with_the_job(store: Store) -> None:
     )
     job = NewJob("s", "alice", 0, "", "", parsed.tasks, parsed.secrets, parsed.timeouts)
     job_id, _ = await store.submit(job)
-    [first] = (await store.secrets([job_id]))[job_id]
+    [first] = (await store.read(queries.secrets_of, [job_id]))[job_id]
     assert (first.task_id, dict(first.secrets)) == (0, {"K": "v1"})
-    read = await store.get_job(job_id, with_specs=True)
+    read = await store.read(queries.job, job_id, with_specs=True)
     assert read is not None and read.timeouts.max_pending_seconds == 7200
     assert b"v1" not in read.SerializeToString()
 
@@ -632,7 +642,7 @@ async def test_each_attempt_keeps_its_cluster_end_and_exit_code(store: Store) ->
         step(S.RUNNING, 2, cluster_name="mj-1-0", region="r2", restart_count=1),
         step(S.FAILED, 2, message="user run exited non-zero", exit_code=3),
     )
-    job = await store.get_job(job_id)
+    job = await store.read(queries.job, job_id)
     assert job is not None
     first, second = job.tasks[0].attempts
     assert (first.attempt, first.region, first.exit_code, first.outcome) == (
@@ -661,7 +671,7 @@ async def test_sqlite_reads_run_on_the_event_loop_thread(tmp_path: Path) -> None
 
         event.listen(db.read_engine, "before_cursor_execute", record)
         try:
-            reads = await asyncio.gather(*(store.get_job(job_id) for _ in range(5)))
+            reads = await asyncio.gather(*(store.read(queries.job, job_id) for _ in range(5)))
         finally:
             event.remove(db.read_engine, "before_cursor_execute", record)
         assert all(job is not None and job.job_id == job_id for job in reads)

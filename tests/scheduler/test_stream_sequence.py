@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 from sqlalchemy import select
 
-from harness.replica_stream import Fuzzer, Replica, hello
+from harness.replica_stream import IGNORED, Fuzzer, Replica, hello
 from harness.waiting import reached, wait_for
 from managedjobs.v1 import job_service_pb2 as jpb
 from managedjobs.v1 import job_service_pb2_grpc, scheduler_service_pb2_grpc
@@ -103,7 +104,7 @@ async def test_a_request_out_of_sequence_ends_the_stream_and_is_not_applied(
         after = (await jobs.GetJob(jpb.GetJobRequest(job_id=held.job_id))).job
         assert after == before
         # The scheduler ended the stream: the lease stays for the replica to reconnect to.
-        assert app.replicas.expired == []
+        assert app.leases.expired == []
 
 
 async def test_a_report_applied_before_its_answer_was_lost_is_a_replay_applied_once(
@@ -215,21 +216,19 @@ def cancel(seq: int, job_id: int) -> pb.ConnectControllerResponse:
 @contextlib.asynccontextmanager
 async def linked(
     scripted: Scripted,
-) -> AsyncIterator[tuple[Link, list[pb.ConnectControllerResponse]]]:
-    """A replica's link to the scripted scheduler, and the messages it handed on."""
+) -> AsyncIterator[tuple[Link, list[pb.JobCancel]]]:
+    """A replica's link to the scripted scheduler, and the cancels it handed on."""
     server = grpc.aio.server()
     scheduler_service_pb2_grpc.add_SchedulerServiceServicer_to_server(scripted, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    handed: list[pb.ConnectControllerResponse] = []
-
-    async def on_message(message: pb.ConnectControllerResponse) -> None:
-        handed.append(message)
+    handed: list[pb.JobCancel] = []
 
     async def nothing() -> None:
         return None
 
-    link = Link(f"127.0.0.1:{port}", hello, on_message, nothing, reconnect_max_wait=0.2)
+    instructions = dataclasses.replace(IGNORED, cancel=handed.append)
+    link = Link(f"127.0.0.1:{port}", hello, instructions, nothing, reconnect_max_wait=0.2)
     running = asyncio.create_task(link.run())
     try:
         yield link, handed
@@ -246,7 +245,7 @@ async def test_the_link_drops_a_replay_and_reconnects_past_a_missing_message() -
     )
     async with linked(scripted) as (_, handed):
         await wait_for_value(lambda: len(handed) >= 2, "the second stream's cancel")
-        assert [m.cancel.job_id for m in handed] == [7, 9]
+        assert [c.job_id for c in handed] == [7, 9]
         assert len(scripted.streams) == 2
 
 
@@ -255,14 +254,14 @@ async def test_requests_sent_again_keep_their_numbers_and_come_before_new_ones()
     scripted = Scripted([welcome(), end_first, None], [welcome()])
     async with linked(scripted) as (link, _):
         await reached(link.connected.wait(), what="the first stream")
-        unanswered = link.post(launch_slot_release=pb.LaunchSlotRelease(job_id=3, epoch=1))
+        unanswered = link.outbox.post(pb.LaunchSlotRelease(job_id=3, epoch=1))
         await wait_for_value(
             lambda: any(r.HasField("launch_slot_release") for r in scripted.streams[0]),
             "the release on the first stream",
         )
         end_first.set()
         await wait_for_value(lambda: len(scripted.streams) == 2, "the second stream")
-        later = link.post(launch_slot_release=pb.LaunchSlotRelease(job_id=4, epoch=1))
+        later = link.outbox.post(pb.LaunchSlotRelease(job_id=4, epoch=1))
         await wait_for_value(
             lambda: sum(r.HasField("launch_slot_release") for r in scripted.streams[1]) == 2,
             "both releases on the second stream",
@@ -289,14 +288,14 @@ async def test_the_first_heartbeat_goes_at_once_and_the_lease_counts_from_its_an
     async def never(_: float) -> None:
         await asyncio.Event().wait()
 
-    async def nothing(*_: object) -> None:
+    async def nothing() -> None:
         return None
 
-    link = Link(f"127.0.0.1:{app.server.port}", hello, nothing, nothing, sleep=never)
+    link = Link(f"127.0.0.1:{app.server.port}", hello, IGNORED, nothing, sleep=never)
     running = asyncio.create_task(link.run())
     try:
         await reached(link.connected.wait(), what="the stream")
-        assert await reached(link.wait_lease(), what="the lease")
+        assert await reached(link.lease.wait(), what="the lease")
     finally:
         running.cancel()
         await asyncio.gather(running, return_exceptions=True)

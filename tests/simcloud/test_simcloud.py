@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +24,19 @@ from services.backends import (
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
     StaleEpochError,
     TaskEnd,
-    TaskRequest,
     TaskStatus,
     make_backend,
 )
 from services.backends.sim.backend import SimBackend
 from services.common.security.edge import ServerSecurity
 from services.controller.fencing import LeaseGuard
-from services.controller.link import LeaseLost
+from services.controller.messages import LeaseLost
 from services.simcloud import Cloud, CloudConfig, ManualClock, RunningCloud, list_inventory, start
 from services.simcloud.clusters import CallKind, ClusterState, TaskPlan, TaskState
 from services.simcloud.config import DEFAULT_CONFIG, ConfigError, RegionConfig, parse_config
@@ -449,9 +449,13 @@ async def operator(running: RunningCloud) -> AsyncIterator[pb_grpc.SimOperatorSe
         yield pb_grpc.SimOperatorServiceStub(channel)
 
 
-def task(job: int = 1, task_id: int = 0, epoch: int = 1, **kw: Any) -> TaskRequest:
+def task(
+    job: int = 1, task_id: int = 0, epoch: int = 1, sim: Mapping[str, Any] | None = None, **kw: Any
+) -> LaunchPlan:
     fields: dict[str, Any] = {"use_spot": True, **kw}
-    return TaskRequest(
+    if sim is not None:
+        fields["extensions"] = {"sim": sim}
+    return LaunchPlan(
         job_id=job, task_id=task_id, epoch=epoch, cluster_name=f"mj-{job}-{task_id}", **fields
     )
 
@@ -497,7 +501,7 @@ async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_o
     one = await backend.launch(task(1, sim={"runtime_seconds": 1e6}))
     two = await backend.launch(task(2, sim={"runtime_seconds": 1e6}, epoch=3))
     never = backend.handle_for("mj-9-0")
-    before = backend.terminations.batches
+    before = backend.batched.terminations.batches
     outcomes = await asyncio.gather(
         backend.terminate(one, epoch=1),
         backend.terminate(two, epoch=2),  # below epoch 3, which launched it: fenced
@@ -509,7 +513,7 @@ async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_o
     assert isinstance(outcomes[1], StaleEpochError) and "stale epoch 2" in str(outcomes[1])
     # A name the cloud would refuse is refused here, alone, not in the batch.
     assert isinstance(outcomes[3], PrecheckError)
-    assert backend.terminations.batches == before + 1
+    assert backend.batched.terminations.batches == before + 1
     assert not await backend.cluster_exists(one.cluster_name)
     assert await backend.cluster_exists(two.cluster_name)
     assert running.cloud.state().stale_terminates_rejected == 1
@@ -520,7 +524,7 @@ async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_o
         backend.stop(two, epoch=3, grace=0.0),
         backend.terminate(backend.handle_for("mj-8-0"), epoch=1),
     )
-    assert backend.terminations.batches == before + 4
+    assert backend.batched.terminations.batches == before + 4
     assert await backend.task_status(two) == TaskStatus.FAILED
     assert await backend.cluster_exists(two.cluster_name)
 
@@ -528,7 +532,7 @@ async def test_teardowns_asked_for_at_once_go_as_one_call_each_answered_on_its_o
 async def test_launches_asked_for_at_once_go_as_one_call_each_answered_on_its_own(
     backend: SimBackend, running: RunningCloud
 ) -> None:
-    before = backend.launches.batches
+    before = backend.batched.launches.batches
     outcomes = await asyncio.gather(
         backend.launch(task(1)),
         backend.launch(task(2)),
@@ -537,7 +541,7 @@ async def test_launches_asked_for_at_once_go_as_one_call_each_answered_on_its_ow
         backend.launch(task(1, epoch=0)),  # below epoch 1, launched just before it
         return_exceptions=True,
     )
-    assert backend.launches.batches == before + 1
+    assert backend.batched.launches.batches == before + 1
     first, second, full, nowhere, stale = outcomes
     assert isinstance(first, ClusterHandle) and isinstance(second, ClusterHandle)
     assert (first.region, second.region) == (EAST, WEST)
@@ -550,7 +554,7 @@ async def test_launches_asked_for_at_once_go_as_one_call_each_answered_on_its_ow
     # A request too big to share a batch's 4 MiB goes alone, as a Launch of its own.
     big = {"runtime_seconds": 1e6, "log_lines": ["x" * 1000] * 20}
     handle = await backend.launch(task(5, use_spot=False, sim=big))
-    assert backend.launches.batches == before + 1
+    assert backend.batched.launches.batches == before + 1
     assert await backend.cluster_exists(handle.cluster_name)
 
 
@@ -595,12 +599,12 @@ async def test_log_reads_asked_for_at_once_share_one_call_and_a_big_log_is_read_
     for handle in handles:
         async for _ in backend.tail_logs(handle):
             pass  # to the end of the task: its whole log is written
-    before = backend.log_reads.batches
+    before = backend.batched.log_reads.batches
     logs = await asyncio.gather(
         *(backend.read_logs(handle) for handle in handles),
         backend.read_logs(backend.handle_for("never-launched")),
     )
-    assert backend.log_reads.batches == before + 1
+    assert backend.batched.log_reads.batches == before + 1
     assert [log == f"{job}{line}\n".encode() * 1000 for job, log in enumerate(logs[:4], 1)] == [
         True
     ] * 4
@@ -752,7 +756,7 @@ async def test_a_launch_never_waits_for_a_batch_in_flight() -> None:
         for job in (1, 2, 3, 4, 5, 6):
             launching.append(asyncio.create_task(sim.launch(task(job, use_spot=False))))
             await eventually(lambda job=job: sim.cluster_exists(f"mj-{job}-0"), True)
-        assert sim.launches.batches == 6
+        assert sim.batched.launches.batches == 6
         for call in launching:
             call.cancel()
         await asyncio.gather(*launching, return_exceptions=True)
@@ -1177,7 +1181,7 @@ async def test_a_stop_never_waits_for_an_earlier_stops_grace(manual: Manual) -> 
     for handle in handles:
         stops.append(asyncio.create_task(m.backend.stop(handle, epoch=1, grace=30)))
         await eventually(lambda h=handle: signalled(m, h.cluster_name), True)
-    assert m.backend.terminations.batches == len(handles)
+    assert m.backend.batched.terminations.batches == len(handles)
     assert not any(stop.done() for stop in stops)
     m.advance(30)
     await asyncio.wait_for(asyncio.gather(*stops), 5)

@@ -4,23 +4,8 @@ A local cluster is a folder `<root>/<cluster_name>/` plus one supervisor process
 (`services.backends.local.supervisor`) that runs the task's setup and run for every node
 rank and records what happened. The folder is the cluster's whole state, so any
 process on this host (every controller replica, the logs service) can find and
-judge a cluster from its name alone:
-
-    <root>/.state/     epochs, locks and the uid hand-out (`local_fencing`), owner only
-    <root>/<name>/     the cluster, root's, mode 0711 (`local_users` on who may enter)
-      task.json          the TaskRequest, launch_id and run_as, written by `launch`
-      status.json        {"status", "exit_codes", "exit_code", "start_time",
-                         "end_time", "pid", "stop"}, replaced atomically by the supervisor
-      supervisor.pid     the supervisor's pid, written once status.json exists
-      children.json      process groups of the rank processes, and the guardian's pid
-      stop.json          {"grace"}: how long `terminate` lets the ranks stop
-      preemption-notice  the deadline of a preemption notice ($MJ_PREEMPTION_NOTICE_FILE)
-      supervisor.log     the supervisor's own stdout and stderr
-      logs/rank-<r>.log  stdout and stderr of rank r (setup, then run)
-      workdir/           a copy of the task's workdir; every rank's working directory
-      home/              every rank's HOME
-    (as root, workdir/ and home/ belong to the cluster's own uid, mode 0700; the
-    rest is root's and private, but for supervisor.pid and preemption-notice)
+judge a cluster from its name alone (its files: `cluster`). The calls are here;
+starting and stopping supervisors is `processes`, who user code runs as `users`.
 
 Invariants:
 - The supervisor alive means the cluster is UP; a dead (or zombie) supervisor
@@ -34,7 +19,7 @@ Invariants:
 - Every process of a cluster dies with its supervisor (PR_SET_PDEATHSIG and a
   guardian, see the supervisor).
 - Launches, terminations and preemption notices of one name are serialized across
-  processes and fenced by epoch (`local_fencing`): a stale epoch is refused
+  processes and fenced by epoch (`fencing`): a stale epoch is refused
   (`StaleEpochError`); epoch 0 (an operator's cleanup) may always terminate. A
   launch by the current or a newer epoch replaces a cluster of the same name; a
   launch that waited while another launch of the very same task attempt finished
@@ -52,16 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import os
-import re
-import shutil
 import signal
-import subprocess
-import sys
 import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -70,49 +49,43 @@ from services.backends.base import (
     Backend,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
     ResourcesUnavailableError,
-    TaskRequest,
     TaskStatus,
 )
 from services.backends.local import logs as local_logs
 from services.backends.local.cluster import (
-    SUPERVISOR_MODULE,
     ClusterLayout,
     cluster_processes,
-    kill_cluster_processes,
     read_json,
     read_pid,
     recorded_children,
-    run_uid,
     signal_groups,
-    stop_process,
     supervisor_at,
     supervisor_process,
     task_end,
     write_atomic,
-    write_json_atomic,
 )
 from services.backends.local.fencing import ClusterLock, EpochFence
+from services.backends.local.processes import (
+    LOCAL_REGION,
+    Supervisors,
+    launch_id,
+    same_task,
+    task_record,
+)
 from services.backends.local.users import (
     DEFAULT_RUN_AS,
     DEFAULT_RUN_AS_UIDS,
     Confinement,
-    RunAs,
-    give_to,
     parse_uid_range,
     parse_workdir_roots,
 )
+from services.common.bounds import CLOUD_NAME_RE
 
 log = logging.getLogger(__name__)
-
-LOCAL_REGION = "local"
-
-_CLUSTER_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# Where `python -m services.backends.local.supervisor` can import this package from.
-_IMPORT_ROOT = Path(__file__).resolve().parents[2]
-_REQUEST_FIELDS = tuple(f.name for f in dataclasses.fields(TaskRequest))
 
 
 class LocalBackend(Backend):
@@ -149,14 +122,18 @@ class LocalBackend(Backend):
         """
         self._root = Path(root).expanduser().resolve()
         self._poll_interval = poll_interval
-        self._terminate_timeout = terminate_timeout
         self._start_timeout = start_timeout
         self._fence = EpochFence(self._root)
         self._confinement = Confinement(run_as, run_as_uids, workdir_roots)
+        self._supervisors = Supervisors(
+            self._root,
+            self._fence,
+            self._confinement,
+            start_timeout=start_timeout,
+            terminate_timeout=terminate_timeout,
+        )
         # A launch is a process (and a copy of the workdir), not an RPC.
         self.launch_concurrency = 4 * (os.cpu_count() or 1)
-        # Supervisors this process started, kept so their exit status is reaped.
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._prepared = False
 
     @property
@@ -178,7 +155,7 @@ class LocalBackend(Backend):
         Raises:
             PrecheckError: the name cannot be a folder name.
         """
-        if not _CLUSTER_NAME_RE.fullmatch(cluster_name):
+        if not CLOUD_NAME_RE.fullmatch(cluster_name):
             raise PrecheckError(f"invalid cluster name {cluster_name[:200]!r}")
         return ClusterLayout(self._root / cluster_name)
 
@@ -206,20 +183,7 @@ class LocalBackend(Backend):
         self._fence.prepare()
         self._prepared = True
 
-    def _reap(self, cluster_name: str) -> subprocess.Popen[bytes] | None:
-        """Our own supervisor for the name if still running; reaps it once it exited."""
-        proc = self._procs.get(cluster_name)
-        if proc is not None and proc.poll() is not None:
-            del self._procs[cluster_name]
-            return None
-        return proc
-
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         """Creates the cluster folder and starts its supervisor.
 
         A cluster of the same name that still exists (a relaunch after preemption)
@@ -233,49 +197,39 @@ class LocalBackend(Backend):
                 supervisor did not come up (regions_tried is ["local"]).
             StaleEpochError: a newer epoch of the job has been seen.
         """
-        if request.region not in ("", LOCAL_REGION):
+        if plan.region not in ("", LOCAL_REGION):
             raise PrecheckError(
-                f"the local backend has only region {LOCAL_REGION!r}, not {request.region!r}"
+                f"the local backend has only region {LOCAL_REGION!r}, not {plan.region!r}"
             )
-        candidates = {region or LOCAL_REGION for region in candidate_regions}
+        candidates = {region or LOCAL_REGION for region in plan.candidate_regions}
         if candidates and LOCAL_REGION not in candidates:
             raise PrecheckError(
                 f"the local backend has only region {LOCAL_REGION!r}; "
                 f"candidates were {sorted(candidates)}"
             )
-        if request.num_nodes < 1:
-            raise PrecheckError(f"num_nodes must be >= 1, not {request.num_nodes}")
-        layout = self.layout(request.cluster_name)
-        workdir = await asyncio.to_thread(self._confinement.resolve_workdir, request.workdir)
-        if LOCAL_REGION in blocked_regions:
+        if plan.num_nodes < 1:
+            raise PrecheckError(f"num_nodes must be >= 1, not {plan.num_nodes}")
+        layout = self.layout(plan.cluster_name)
+        workdir = await asyncio.to_thread(self._confinement.resolve_workdir, plan.workdir)
+        if LOCAL_REGION in plan.blocked_regions:
             raise ResourcesUnavailableError(
                 f"region {LOCAL_REGION!r} is blocked", regions_tried=[LOCAL_REGION]
             )
         await asyncio.to_thread(self._prepare)
-        task = _task_record(request)
-        seen = _launch_id(read_json(layout.task_file))
+        task = task_record(plan)
+        seen = launch_id(read_json(layout.task_file))
 
-        async with self._fence.cluster_lock(request.cluster_name):
-            await asyncio.to_thread(
-                self._fence.admit, request.job_id, request.epoch, action="launch"
-            )
+        async with self._fence.cluster_lock(plan.cluster_name):
+            await asyncio.to_thread(self._fence.admit, plan.job_id, plan.epoch, action="launch")
             current = read_json(layout.task_file)
-            if _launch_id(current) not in (None, seen) and _same_task(current, task):
+            if launch_id(current) not in (None, seen) and same_task(current, task):
                 # Another launch of this very attempt finished while we waited.
                 joined = self._live_handle(layout)
                 if joined is not None:
                     return joined
-            await self._stop_and_remove(layout, grace=0.0)
-            starting = asyncio.ensure_future(asyncio.to_thread(self._start, layout, task, workdir))
-            try:
-                proc = await asyncio.shield(starting)
-                self._procs[request.cluster_name] = proc
-                await self._await_supervisor(layout, proc)
-            except BaseException:
-                # Leave nothing half-launched behind, even when cancelled.
-                await asyncio.shield(self._abort(layout, starting))
-                raise
-        return self._handle(layout, proc.pid)
+            await self._supervisors.stop_and_remove(layout, grace=0.0)
+            pid = await self._supervisors.start(layout, task, workdir)
+        return self._handle(layout, pid)
 
     def _handle(self, layout: ClusterLayout, pid: int | None) -> ClusterHandle:
         data: dict[str, Any] = {"dir": str(layout.dir)}
@@ -297,77 +251,6 @@ class LocalBackend(Backend):
         if layout is None:
             return ClusterHandle(cluster_name, backend=self.name, region=LOCAL_REGION)
         return self._handle(layout, read_pid(layout.pid_file))
-
-    def _start(
-        self, layout: ClusterLayout, task: dict[str, Any], workdir: Path | None
-    ) -> subprocess.Popen[bytes]:
-        with self._fence.locked():
-            run_as = self._confinement.allocate(
-                self._uids_in_use(), self._fence.state_dir / "next-uid"
-            )
-            layout.dir.mkdir()
-            layout.dir.chmod(0o711)
-            task["run_as"] = run_as.to_json() if run_as else None
-            write_json_atomic(layout.task_file, task)
-        self._make_user_folders(layout, workdir, run_as)
-        layout.logs_dir.mkdir(mode=0o700)
-        fd = os.open(layout.supervisor_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            # cwd makes `-m services...` importable even without an installed package;
-            # the supervisor chdirs into its cluster folder right away.
-            return subprocess.Popen(
-                [sys.executable, "-m", SUPERVISOR_MODULE, str(layout.dir)],
-                cwd=_IMPORT_ROOT,
-                stdin=subprocess.DEVNULL,
-                stdout=fd,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        finally:
-            os.close(fd)
-
-    def _uids_in_use(self) -> set[int]:
-        used = set()
-        for entry in self._root.iterdir():
-            if not entry.name.startswith(".") and entry.is_dir():
-                uid = run_uid(read_json(entry / "task.json"))
-                if uid is not None:
-                    used.add(uid)
-        return used
-
-    @staticmethod
-    def _make_user_folders(
-        layout: ClusterLayout, workdir: Path | None, run_as: RunAs | None
-    ) -> None:
-        if workdir is not None:
-            shutil.copytree(workdir, layout.workdir, symlinks=True)
-        else:
-            layout.workdir.mkdir()
-        layout.home.mkdir()
-        give_to(layout.workdir, run_as)
-        give_to(layout.home, run_as)
-
-    async def _await_supervisor(self, layout: ClusterLayout, proc: subprocess.Popen[bytes]) -> None:
-        deadline = time.monotonic() + self._start_timeout
-        while read_pid(layout.pid_file) is None:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                try:
-                    out = layout.supervisor_log.read_bytes()[-2000:].decode(errors="replace")
-                except OSError:
-                    out = ""
-                raise ResourcesUnavailableError(
-                    f"the supervisor of {layout.dir.name} did not start: {out.strip()}",
-                    regions_tried=[LOCAL_REGION],
-                )
-            await asyncio.sleep(0.02)
-
-    async def _abort(
-        self, layout: ClusterLayout, starting: asyncio.Future[subprocess.Popen[bytes]]
-    ) -> None:
-        # The start may still be running in its thread: let it finish, then undo it.
-        with contextlib.suppress(Exception):
-            self._procs[layout.dir.name] = await starting
-        await self._stop_and_remove(layout, grace=0.0)
 
     async def observe(self, handle: ClusterHandle) -> Observation:
         """UP while the cluster's supervisor lives, INIT while it launches, else DOWN;
@@ -391,7 +274,7 @@ class LocalBackend(Backend):
 
     def _without_status(self, layout: ClusterLayout) -> ClusterStatus:
         """INIT while a launch may still bring the supervisor up, else DOWN."""
-        if self._reap(layout.dir.name) is not None:
+        if self._supervisors.own(layout.dir.name) is not None:
             return ClusterStatus.INIT
         try:
             age = time.time() - layout.dir.stat().st_mtime
@@ -415,7 +298,8 @@ class LocalBackend(Backend):
             return
         await asyncio.to_thread(self._prepare)
         async with self._fence.cluster_lock(handle.cluster_name) as lock:
-            await self._admit(layout, epoch, action)
+            task = read_json(layout.task_file)
+            await asyncio.to_thread(self._fence.admit_on, task, epoch, action)
             yield layout, lock
 
     async def terminate(self, handle: ClusterHandle, epoch: int = 0, grace: float = 0.0) -> bool:
@@ -428,7 +312,7 @@ class LocalBackend(Backend):
         async with self._fenced(handle, epoch, "terminate", existing_only=False) as held:
             if held is not None:
                 layout, lock = held
-                await self._stop_and_remove(layout, max(0.0, grace))
+                await self._supervisors.stop_and_remove(layout, max(0.0, grace))
                 lock.discard()
         return False
 
@@ -442,8 +326,8 @@ class LocalBackend(Backend):
         async with self._fenced(handle, epoch, "stop") as held:
             if held is not None:
                 layout, _ = held
-                await self._stop_supervisor(layout, max(0.0, grace))
-                await asyncio.to_thread(self._kill_all, layout)
+                await self._supervisors.stop(layout, max(0.0, grace))
+                await self._supervisors.kill_rest(layout)
 
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Writes the deadline to the notice file and sends SIGTERM to every rank; the
@@ -461,74 +345,6 @@ class LocalBackend(Backend):
             write_atomic(layout.notice_file, f"{float(deadline)!r}\n".encode(), mode=0o644)
             pgids, _ = recorded_children(layout)
             signal_groups(pgids, signal.SIGTERM)
-
-    async def _admit(self, layout: ClusterLayout, epoch: int, action: str) -> None:
-        """Refuses a stale epoch acting on the cluster; epoch 0 always passes."""
-        task = read_json(layout.task_file)
-        if not epoch or not isinstance(task, dict):
-            return
-        job_id, launched_by = task.get("job_id"), task.get("epoch")
-        if isinstance(job_id, int) and isinstance(launched_by, int):
-            await asyncio.to_thread(
-                self._fence.admit, job_id, epoch, floor=launched_by, action=action
-            )
-
-    async def _stop_and_remove(self, layout: ClusterLayout, grace: float) -> None:
-        await self._stop_supervisor(layout, grace)
-        await asyncio.to_thread(self._kill_and_remove, layout)
-        child = self._procs.pop(layout.dir.name, None)
-        if child is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                await asyncio.to_thread(child.wait, 5.0)
-
-    async def _stop_supervisor(self, layout: ClusterLayout, grace: float) -> None:
-        """Has the supervisor stop the ranks with `grace` and waits for it to exit."""
-        name = layout.dir.name
-        own = self._reap(name)
-        supervisor = supervisor_process(layout)
-        pid = supervisor.pid if supervisor else own.pid if own else None
-        if pid is not None:
-            with contextlib.suppress(OSError):
-                write_json_atomic(layout.stop_file, {"grace": grace})
-
-            def ours() -> bool:
-                # Our own unreaped child cannot have lent its pid to another process.
-                return (own is not None and own.pid == pid) or bool(supervisor_at(pid, layout.dir))
-
-            if await stop_process(pid, grace + self._terminate_timeout, ours):
-                self._report_stop(layout, grace)
-            else:
-                log.warning("cluster %s: its supervisor did not stop; killing everything", name)
-
-    @staticmethod
-    def _report_stop(layout: ClusterLayout, grace: float) -> None:
-        status = read_json(layout.status_file)
-        stop = status.get("stop") if isinstance(status, dict) else None
-        if grace > 0 and isinstance(stop, dict) and stop.get("sigkill"):
-            log.info(
-                "cluster %s: ranks outlived the %.1fs grace; sent SIGKILL", layout.dir.name, grace
-            )
-
-    @staticmethod
-    def _kill_all(layout: ClusterLayout) -> None:
-        """SIGKILLs whatever of the cluster still runs (its folder stays)."""
-        pgids, _ = recorded_children(layout)
-        kill_cluster_processes(layout.dir, pgids, uid=run_uid(read_json(layout.task_file)))
-
-    @classmethod
-    def _kill_and_remove(cls, layout: ClusterLayout) -> None:
-        for attempt in range(3):
-            cls._kill_all(layout)
-            try:
-                shutil.rmtree(layout.dir)
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                # Something of the cluster was still writing into it; kill again.
-                if attempt == 2:
-                    raise
-                time.sleep(0.1)
 
     async def cluster_exists(self, cluster_name: str) -> bool:
         """True while the folder or any process of the cluster remains."""
@@ -552,23 +368,13 @@ class LocalBackend(Backend):
         layout = self._layout_or_none(handle.cluster_name)
         if layout is None:
             return
-        follower = local_logs.LogFollower(layout)
-        while True:
-            # Decide before reading: whatever was written before the end is read below.
+
+        def finished() -> bool:
             seen = self._look(layout)
-            done = seen.cluster is ClusterStatus.DOWN or seen.end is not None
-            chunk = await asyncio.to_thread(follower.read_new)
-            if chunk:
-                yield chunk
-            if done:
-                while chunk := await asyncio.to_thread(follower.read_new):
-                    yield chunk
-                rest = follower.flush()
-                if rest:
-                    yield rest
-                return
-            if not chunk:
-                await asyncio.sleep(self._poll_interval)
+            return seen.cluster is ClusterStatus.DOWN or seen.end is not None
+
+        async for chunk in local_logs.follow(layout, finished, self._poll_interval):
+            yield chunk
 
     async def reachable(self) -> bool:
         """True if the root folder exists (it is created if missing) and is writable."""
@@ -577,26 +383,6 @@ class LocalBackend(Backend):
         except OSError:
             return False
         return self._root.is_dir() and os.access(self._root, os.W_OK | os.X_OK)
-
-
-def _task_record(request: TaskRequest) -> dict[str, Any]:
-    task = {name: getattr(request, name) for name in _REQUEST_FIELDS}
-    task["envs"] = {str(k): str(v) for k, v in request.envs.items()}
-    task["sim"] = dict(request.sim)
-    task["launch_id"] = uuid.uuid4().hex
-    return task
-
-
-def _launch_id(task: Any) -> str | None:
-    launch_id = task.get("launch_id") if isinstance(task, dict) else None
-    return launch_id if isinstance(launch_id, str) else None
-
-
-def _same_task(current: Any, task: Mapping[str, Any]) -> bool:
-    """Whether task.json's content `current` is the attempt `task` describes."""
-    return isinstance(current, dict) and all(
-        current.get(name) == task[name] for name in _REQUEST_FIELDS
-    )
 
 
 def from_settings(settings: Mapping[str, Any]) -> LocalBackend:

@@ -1,11 +1,29 @@
 """The files and processes of one local cluster, shared by the backend and the supervisor.
 
-A local cluster is a folder (`ClusterLayout`, described in `services.backends.local.backend`)
-plus the processes its supervisor started. This module holds what both sides need
-to read that state the same way: atomic JSON files, the supervisor's identity in
-/proc, the cluster's processes (by recorded process group, by the environment tag
-every rank carries, and by the cluster's own uid when it has one), stopping a
-process through a pidfd, and the task's end as status.json records it.
+A local cluster is a folder (`ClusterLayout`) plus the processes its supervisor
+started:
+
+    <root>/.state/     epochs, locks and the uid hand-out (`fencing`), owner only
+    <root>/<name>/     the cluster, root's, mode 0711 (`users` on who may enter)
+      task.json          the launch plan, launch_id and run_as, written by `launch`
+      status.json        {"status", "exit_codes", "exit_code", "start_time",
+                         "end_time", "pid", "stop"}, replaced atomically by the supervisor
+      supervisor.pid     the supervisor's pid, written once status.json exists
+      children.json      process groups of the rank processes, and the guardian's pid
+      stop.json          {"grace"}: how long `terminate` lets the ranks stop
+      preemption-notice  the deadline of a preemption notice ($MJ_PREEMPTION_NOTICE_FILE)
+      supervisor.log     the supervisor's own stdout and stderr
+      logs/rank-<r>.log  stdout and stderr of rank r (setup, then run)
+      workdir/           a copy of the task's workdir; every rank's working directory
+      home/              every rank's HOME
+    (as root, workdir/ and home/ belong to the cluster's own uid, mode 0700; the
+    rest is root's and private, but for supervisor.pid and preemption-notice)
+
+This module holds what the backend and the supervisor need to read that state the
+same way: atomic JSON files, the supervisor's identity in /proc, the cluster's
+processes (by recorded process group, by the environment tag every rank carries,
+and by the cluster's own uid when it has one), stopping a process through a pidfd,
+and the task's end as status.json records it.
 
 Invariants:
 - A pid counts as the supervisor only if /proc shows it running the supervisor *of
@@ -41,7 +59,7 @@ NOTICE_FILE_ENV = "MJ_PREEMPTION_NOTICE_FILE"
 
 @dataclasses.dataclass(frozen=True)
 class ClusterLayout:
-    """The files of one local cluster (see `services.backends.local.backend`)."""
+    """The files of one local cluster (see the module docstring)."""
 
     dir: Path
 

@@ -9,7 +9,7 @@ so the fence lives there too, in a folder no cluster's code can write:
                                         preemption notice of that cluster
     <root>/.state/epochs/<job_id>       the highest epoch seen for the job (decimal)
     <root>/.state/next-uid              where the search for a free uid starts
-                                        (`local_users`)
+                                        (`users`)
 
 Invariants:
 - A job's recorded epoch only grows, and it is read and raised under the root lock,
@@ -31,6 +31,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from services.backends.base import StaleEpochError
 from services.backends.local.cluster import write_atomic
@@ -158,3 +159,19 @@ class EpochFence:
                 )
             if epoch > seen:
                 write_atomic(self._epochs / str(job_id), f"{epoch}\n".encode())
+
+    def admit_on(self, task: Any, epoch: int, action: str) -> None:
+        """Lets `epoch` act on a cluster whose task.json holds `task`: not below the job's
+        highest epoch nor below the epoch that launched the cluster. Epoch 0 (an
+        operator's cleanup) always passes, as does a cluster without a task record.
+
+        Blocking (takes the root lock): call from a thread.
+
+        Raises:
+            StaleEpochError: `epoch` is non-zero and below either.
+        """
+        if not epoch or not isinstance(task, dict):
+            return
+        job_id, launched_by = task.get("job_id"), task.get("epoch")
+        if isinstance(job_id, int) and isinstance(launched_by, int):
+            self.admit(job_id, epoch, floor=launched_by, action=action)

@@ -7,7 +7,9 @@ lines of two ranks never run into each other.
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import AsyncIterator, Callable
 
 from services.backends.local.cluster import ClusterLayout, read_json
 from services.backends.ranks import MAX_HELD_LINE, RankLogJoiner, prefix_lines
@@ -71,3 +73,26 @@ class LogFollower:
 
     def flush(self) -> bytes:
         return self._joiner.flush() if self._joiner is not None else b""
+
+
+async def follow(
+    layout: ClusterLayout, finished: Callable[[], bool], poll_interval: float
+) -> AsyncIterator[bytes]:
+    """Yields log bytes as the ranks write them, until `finished()` and everything written
+    has been yielded. `finished` is asked before each read, so whatever was written
+    before the end is read after it."""
+    follower = LogFollower(layout)
+    while True:
+        done = finished()
+        chunk = await asyncio.to_thread(follower.read_new)
+        if chunk:
+            yield chunk
+        if done:
+            while chunk := await asyncio.to_thread(follower.read_new):
+                yield chunk
+            rest = follower.flush()
+            if rest:
+                yield rest
+            return
+        if not chunk:
+            await asyncio.sleep(poll_interval)

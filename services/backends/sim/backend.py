@@ -1,44 +1,20 @@
 """The `sim` backend: the client of `mj-simcloud`, the simulated cloud (contract §10).
 
 Clusters live in the sim cloud process, so every controller replica and the
-logs service see the same ones; a cluster is found by its name alone. The task
-a cluster runs behaves as the spec's `sim` key says (runtime_seconds,
-setup_seconds, exit_code, exit_code_runs, setup_exit_code, log_lines,
-preempt_after_seconds, sigterm_exit_seconds; defaults in
-services/simcloud/clusters.py), and `run` and `setup` are never executed.
+logs service see the same ones; a cluster is found by its name alone. This module
+holds the backend's calls; what a launch asks for is `plans`, how the cloud's
+errors read `errors`, what its records and events say `observing`, and the calls
+sent together `batching`. NOT_FOUND means the cluster never existed (DOWN, no task
+status, does not exist).
 
-Errors from the cloud map onto the backend's: RESOURCE_EXHAUSTED ->
-`ResourcesUnavailableError` (regions_tried from the ErrorInfo metadata),
-FAILED_PRECONDITION with reason STALE_EPOCH -> `StaleEpochError`, other
-INVALID_ARGUMENT and FAILED_PRECONDITION -> `PrecheckError`, UNAVAILABLE and
-DEADLINE_EXCEEDED -> `BackendUnreachableError`; NOT_FOUND means the cluster
-never existed (DOWN, no task status, does not exist).
+`observe` is one GetCluster call, `observe_many` one GetClusters call per 1,000
+clusters, and `events()` the cloud's WatchEvents stream, so controllers hear of a
+preemption, a coming one or a finished task at once.
 
-What the backend reads (`observe`, `observe_many` with one GetClusters call per
-1,000 clusters, and every pushed event) is a whole `Observation`: a task that
-finished keeps its status (`task`) and its `TaskEnd` (exit code, end time) after
-its cluster was preempted, until the cluster is terminated; an unfinished task
-on a DOWN cluster is unreadable (`task=None`).
-
-`events()` is the cloud's WatchEvents stream: every cluster and task status
-change, each with its whole observation, and every preemption notice
-(`ClusterEvent.notice_deadline`, Unix seconds), so controllers hear of a
-preemption, a coming one or a finished task at once. The backend remembers the
-last sequence number it saw and resumes after it when the caller
-(services/controller/watch.py) reopens the stream; a cloud that restarted (the
-resume is OUT_OF_RANGE) or dropped the events (FAILED_PRECONDITION) is watched
-afresh from its head.
-
-Durations the cloud is given are simulated seconds: `terminate`'s grace, like
-the `sim` key's runtime, passes `time_scale` times faster than real time, and
-the Terminate call, which returns once the cluster is gone, may take that long.
-Launches asked for at once go as one LaunchClusters call (`launches`), stops and
-teardowns as one TerminateClusters call per grace (`terminations`), each item
-answered, and failed, on its own; a stop or teardown never waits for an earlier
-batch, whose answer may wait for its tasks' grace to run out. Log reads asked for
-at once go as one GetLogs call (`log_reads`). A batched launch whose caller gives
-up (a cancel, a drain) is torn down before the caller goes on, and again should its
-batch still bring it UP, as the cloud rolls back a lone Launch cancelled mid-way;
+Durations the cloud is given are simulated seconds: `terminate`'s grace, like the
+"sim" options' runtime, passes `time_scale` times faster than real time, and the
+Terminate call, which returns once the cluster is gone, may take that long. A
+batched launch whose caller gave up is torn down here (`batching` hands it over);
 closing the backend cancels its batches in flight, which the cloud rolls back.
 `notify_preemption` passes a notice on to the task (SIGTERM and the notice file,
 recorded by the cloud); a cluster never launched, already down or whose task
@@ -66,175 +42,28 @@ from managedjobs.simcloud.v1 import simcloud_service_pb2_grpc as pb_grpc
 from services.backends.base import (
     Backend,
     BackendError,
-    BackendUnreachableError,
     ClusterEvent,
     ClusterHandle,
     ClusterStatus,
+    LaunchPlan,
     Observation,
     PrecheckError,
-    ResourcesUnavailableError,
-    StaleEpochError,
-    TaskEnd,
-    TaskRequest,
-    TaskStatus,
 )
+from services.backends.sim.batching import GET_CLUSTERS_BATCH, Batches, batchable
+from services.backends.sim.errors import backend_error
+from services.backends.sim.observing import EventWatch, observation
+from services.backends.sim.plans import BACKEND_NAME, launch_request
 from services.common.background import Background
+from services.common.bounds import CLOUD_NAME_RE
 from services.common.channels import ClientSecurity, open_channel
-from services.common.coalesce import Coalescer
-from services.common.errors import error_info
-from services.scheduler.spec.fields import NEVER
-from services.simcloud.bounds import NAME_RE
 
 log = logging.getLogger(__name__)
-
-_CLUSTER_STATUS = {
-    pb.CLUSTER_STATUS_INIT: ClusterStatus.INIT,
-    pb.CLUSTER_STATUS_UP: ClusterStatus.UP,
-    pb.CLUSTER_STATUS_DOWN: ClusterStatus.DOWN,
-    pb.CLUSTER_STATUS_TERMINATED: ClusterStatus.DOWN,
-}
-_TASK_STATUS = {
-    pb.TASK_STATUS_PENDING: TaskStatus.PENDING,
-    pb.TASK_STATUS_SETTING_UP: TaskStatus.SETTING_UP,
-    pb.TASK_STATUS_RUNNING: TaskStatus.RUNNING,
-    pb.TASK_STATUS_SUCCEEDED: TaskStatus.SUCCEEDED,
-    pb.TASK_STATUS_FAILED: TaskStatus.FAILED,
-    pb.TASK_STATUS_FAILED_SETUP: TaskStatus.FAILED_SETUP,
-}
-_PRECHECK = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
-_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# Clusters per GetClusters call (the cloud's limit).
-GET_CLUSTERS_BATCH = 1000
-# Launches in one LaunchClusters call at most; a request larger than LAUNCH_ALONE_BYTES
-# (a long `log_lines` script) goes alone, so a batch stays within gRPC's 4 MiB message.
-LAUNCH_BATCH = 256
-LAUNCH_ALONE_BYTES = 12 * 1024
-_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-def error_metadata(exc: grpc.aio.AioRpcError) -> dict[str, str]:
-    """The metadata of the google.rpc ErrorInfo carried by a failed call, if any."""
-    return dict(error_info(exc).metadata)
-
-
-def backend_error(exc: grpc.aio.AioRpcError) -> BackendError:
-    """The backend error for a failed call to the sim cloud."""
-    code, details = exc.code(), exc.details() or ""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        tried = error_metadata(exc).get("regions_tried", "")
-        return ResourcesUnavailableError(details, [r for r in tried.split(",") if r])
-    return _error(code, details, error_info(exc).reason)
-
-
-def call_error(error: pb.CallError) -> BackendError:
-    """The backend error for one failed call of a batch."""
-    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-    return _error(code, error.message, error.reason)
-
-
-def _error(code: grpc.StatusCode, details: str, reason: str) -> BackendError:
-    if code == grpc.StatusCode.FAILED_PRECONDITION and reason == "STALE_EPOCH":
-        return StaleEpochError(details)
-    if code in _PRECHECK:
-        return PrecheckError(details)
-    if code in _UNREACHABLE:
-        return BackendUnreachableError(f"sim cloud unreachable: {code.name}: {details}")
-    return BackendError(f"sim cloud error: {code.name}: {details}")
-
-
-def _launch_outcome(result: pb.LaunchResult) -> pb.LaunchResponse | BaseException:
-    if not result.HasField("error"):
-        return result.response
-    error = result.error
-    if _STATUS_CODES.get(error.code) == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return ResourcesUnavailableError(error.message, list(result.regions_tried))
-    return call_error(error)
-
-
-def _batchable(handle: ClusterHandle) -> str:
-    """The cluster's name, for a batched call; a name the cloud would refuse is refused
-    here, alone, rather than failing the batch it would have gone in."""
-    if not NAME_RE.fullmatch(handle.cluster_name):
-        raise PrecheckError(f"not a sim cluster name: {handle.cluster_name[:200]!r}")
-    return handle.cluster_name
-
-
-def launch_request(
-    request: TaskRequest, candidate_regions: Sequence[str], blocked_regions: Sequence[str]
-) -> pb.LaunchRequest:
-    """The Launch call for a task attempt.
-
-    Raises:
-        PrecheckError: the `sim` settings cannot be read.
-    """
-    sim = request.sim
-    behavior = pb.TaskBehavior(has_setup=bool(request.setup.strip()))
-    try:
-        if "runtime_seconds" in sim:
-            behavior.runtime_seconds = float(sim["runtime_seconds"])
-        if "preempt_after_seconds" in sim:
-            behavior.preempt_after_seconds = float(sim["preempt_after_seconds"])
-        behavior.setup_seconds = float(sim.get("setup_seconds", 0.0))
-        behavior.exit_code = int(sim.get("exit_code", 0))
-        behavior.setup_exit_code = int(sim.get("setup_exit_code", 0))
-        behavior.exit_code_runs = int(sim.get("exit_code_runs", 0))
-        if "log_lines" in sim:
-            behavior.log_lines.lines.extend(str(line) for line in sim["log_lines"])
-        sigterm_exit = sim.get("sigterm_exit_seconds")
-        if sigterm_exit == NEVER:
-            behavior.sigterm_ignored = True
-        elif sigterm_exit is not None:
-            behavior.sigterm_exit_seconds = float(sigterm_exit)
-    except (TypeError, ValueError) as exc:
-        raise PrecheckError(f"sim: {exc}") from exc
-    return pb.LaunchRequest(
-        cluster_name=request.cluster_name,
-        job_id=request.job_id,
-        task_id=request.task_id,
-        epoch=request.epoch,
-        resources=pb.Resources(
-            cloud=request.cloud,
-            region=request.region,
-            zone=request.zone,
-            cpus=request.cpus,
-            memory=request.memory,
-            accelerators=request.accelerators,
-            use_spot=request.use_spot,
-            num_nodes=request.num_nodes,
-        ),
-        candidate_regions=list(candidate_regions),
-        blocked_regions=list(blocked_regions),
-        behavior=behavior,
-    )
-
-
-def observation(message: pb.Cluster | pb.ClusterEvent) -> Observation:
-    """What a cluster record, or an event about one, of the sim cloud says.
-
-    The cloud reports the task's status while the cluster is UP and a finished
-    task's while DOWN (UNSPECIFIED otherwise, and always once terminated).
-    """
-    status_code = message.status if isinstance(message, pb.Cluster) else message.cluster_status
-    status = _CLUSTER_STATUS.get(status_code, ClusterStatus.DOWN)
-    task = _TASK_STATUS.get(message.task_status)
-    if status is ClusterStatus.INIT or (
-        status is ClusterStatus.DOWN and not (task and task.finished)
-    ):
-        task = None
-    end = None
-    if task is not None and task.finished and message.HasField("task_end_time"):
-        end = TaskEnd(task, message.exit_code, message.task_end_time.ToNanoseconds() / 1e9)
-    notice = None
-    if status is ClusterStatus.UP and message.HasField("notice_deadline"):
-        notice = message.notice_deadline.ToNanoseconds() / 1e9
-    seq = message.event_seq if isinstance(message, pb.Cluster) else message.seq
-    return Observation(status, task, end, notice, seq)
 
 
 class SimBackend(Backend):
     """Clusters in the sim cloud, reached over one gRPC channel."""
 
-    name = "sim"
+    name = BACKEND_NAME
     # A launch is one RPC and the cloud holds no process per cluster.
     launch_concurrency = 256
 
@@ -258,37 +87,22 @@ class SimBackend(Backend):
         """
         self.address = address
         self._timeout = timeout
-        self._launch_timeout = launch_timeout
         self._reachable_timeout = reachable_timeout
         self._security = security or ClientSecurity()
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SimCloudServiceAsyncStub | None = None
-        self._after_seq = 0
         # From ListRegions, once heard (`load`).
         self._regions: tuple[str, ...] | None = None
         self._time_scale: float | None = None
         self._loading = Background("sim-regions", self._load_quietly)
-        # Launches asked for at once go as one LaunchClusters call, never waiting for an
-        # earlier batch (a launch may take minutes); one done for a caller that gave up
-        # meanwhile is torn down.
-        self.launches: Coalescer[None, pb.LaunchRequest, pb.LaunchResponse] = Coalescer(
-            self._launch_clusters,
-            max_batch=LAUNCH_BATCH,
-            in_flight=LAUNCH_BATCH,
-            abandoned=lambda call, _: self._abandon(call),
-        )
+        self._events = EventWatch(self._cloud)
         self._teardowns: set[asyncio.Task[None]] = set()
-        # Stops and teardowns asked for at once go as one TerminateClusters call, by
-        # (keep_cluster, grace): a long grace never holds up a short one. The cloud answers
-        # once every task of the batch ended, up to the grace later (a task that traps
-        # SIGTERM), so a call never waits for an earlier batch: its SIGTERM goes at once.
-        self.terminations: Coalescer[tuple[bool, float], pb.TerminateRequest, None] = Coalescer(
-            self._terminate_clusters, max_batch=GET_CLUSTERS_BATCH, in_flight=None
-        )
-        # Log reads asked for at once (the logs service fetching many clusters' logs
-        # before their teardown) go as one GetLogs call.
-        self.log_reads: Coalescer[None, str, bytes | None] = Coalescer(
-            self._get_logs, max_batch=GET_CLUSTERS_BATCH
+        self.batched = Batches(
+            self._cloud,
+            timeout=timeout,
+            launch_timeout=launch_timeout,
+            time_scale=lambda: self._time_scale,
+            abandon=self._abandon,
         )
 
     def _cloud(self) -> pb_grpc.SimCloudServiceAsyncStub:
@@ -297,28 +111,9 @@ class SimBackend(Backend):
             self._stub = pb_grpc.SimCloudServiceStub(self._channel)
         return self._stub
 
-    async def launch(
-        self,
-        request: TaskRequest,
-        candidate_regions: Sequence[str] = (),
-        blocked_regions: Sequence[str] = (),
-    ) -> ClusterHandle:
+    async def launch(self, plan: LaunchPlan) -> ClusterHandle:
         """Launches in the sim cloud; returns once the cluster is UP and its task started."""
-        call = launch_request(request, candidate_regions, blocked_regions)
-        if call.ByteSize() > LAUNCH_ALONE_BYTES:
-            try:
-                reply = await self._cloud().Launch(call, timeout=self._launch_timeout)
-            except grpc.aio.AioRpcError as exc:
-                raise backend_error(exc) from exc
-        else:
-            try:
-                reply = await self.launches.call(None, call)
-            except asyncio.CancelledError:
-                # The cloud rolls back a lone Launch whose caller gives up; a batch goes on,
-                # and may have started this one: it is torn down before the caller goes on
-                # (to its own cleanup, which may not know of this cluster).
-                await asyncio.shield(self._abandon(call))
-                raise
+        reply = await self.batched.launch(launch_request(plan))
         cluster = reply.cluster
         return ClusterHandle(
             cluster_name=cluster.name,
@@ -328,17 +123,6 @@ class SimBackend(Backend):
             data={"cluster_id": cluster.cluster_id},
             seen=observation(cluster),
         )
-
-    async def _launch_clusters(
-        self, _: None, calls: list[pb.LaunchRequest]
-    ) -> list[pb.LaunchResponse | BaseException]:
-        """One LaunchClusters call; each failed item as the error it would raise alone."""
-        request = pb.LaunchClustersRequest(calls=calls)
-        try:
-            reply = await self._cloud().LaunchClusters(request, timeout=self._launch_timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise backend_error(exc) from exc
-        return [_launch_outcome(result) for result in reply.results]
 
     def _abandon(self, call: pb.LaunchRequest) -> asyncio.Task[None]:
         """Tears down what a launch its caller gave up on may have started: nobody else
@@ -394,7 +178,7 @@ class SimBackend(Backend):
         out: dict[str, Observation | BackendError] = {}
         names: list[str] = []
         for name in dict.fromkeys(handle.cluster_name for handle in handles):
-            if NAME_RE.fullmatch(name):
+            if CLOUD_NAME_RE.fullmatch(name):
                 names.append(name)
             else:
                 # Refused alone, rather than failing the call for every other cluster.
@@ -441,30 +225,14 @@ class SimBackend(Backend):
         if not (math.isfinite(grace) and grace >= 0):
             raise PrecheckError(f"grace must be a finite number >= 0, got {grace}")
         request = pb.TerminateRequest(
-            cluster_name=_batchable(handle),
+            cluster_name=batchable(handle),
             epoch=epoch,
             grace_seconds=grace,
             keep_cluster=keep_cluster,
         )
         if grace > 0:
             await self.load()
-        await self.terminations.call((keep_cluster, grace), request)
-
-    async def _terminate_clusters(
-        self, key: tuple[bool, float], calls: list[pb.TerminateRequest]
-    ) -> list[BaseException | None]:
-        """One TerminateClusters call; each failed item as the error it would raise alone."""
-        _, grace = key
-        timeout = self._timeout + grace / (self._time_scale or 1.0)
-        request = pb.TerminateClustersRequest(calls=calls)
-        try:
-            reply = await self._cloud().TerminateClusters(request, timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            raise backend_error(exc) from exc
-        return [
-            call_error(result.error) if result.HasField("error") else None
-            for result in reply.results
-        ]
+        await self.batched.terminate(request)
 
     async def notify_preemption(self, handle: ClusterHandle, epoch: int, deadline: float) -> None:
         """Has the cloud deliver SIGTERM and the notice file (the deadline) to the task.
@@ -493,20 +261,10 @@ class SimBackend(Backend):
 
     async def read_logs(self, handle: ClusterHandle) -> bytes:
         """The log as it is now; reads asked for at once share one GetLogs call."""
-        data = await self.log_reads.call(None, _batchable(handle))
+        data = await self.batched.read_logs(batchable(handle))
         if data is None:  # too big to share an answer: read alone
             data = b"".join([chunk async for chunk in self._logs(handle, follow=False)])
         return data
-
-    async def _get_logs(self, _: None, names: list[str]) -> list[bytes | BaseException | None]:
-        """One GetLogs call; None for a log left out of the answer."""
-        try:
-            reply = await self._cloud().GetLogs(
-                pb.GetLogsRequest(cluster_names=names), timeout=self._timeout
-            )
-        except grpc.aio.AioRpcError as exc:
-            raise backend_error(exc) from exc
-        return [None if log.omitted else log.data for log in reply.logs]
 
     def tail_logs(self, handle: ClusterHandle) -> AsyncIterator[bytes]:
         return self._logs(handle, follow=True)
@@ -575,36 +333,7 @@ class SimBackend(Backend):
             return
 
     def events(self) -> AsyncIterator[ClusterEvent] | None:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[ClusterEvent]:
-        call = self._cloud().WatchEvents(pb.WatchEventsRequest(after_seq=self._after_seq))
-        try:
-            async for reply in call:
-                if not reply.events:
-                    # The hello: resume from here if the stream breaks before any event.
-                    self._after_seq = self._after_seq or reply.head_seq
-                    continue
-                for event in reply.events:
-                    self._after_seq = event.seq
-                    deadline = None
-                    if event.kind == pb.EVENT_KIND_PREEMPTION_NOTICE and event.HasField(
-                        "notice_deadline"
-                    ):
-                        deadline = event.notice_deadline.ToNanoseconds() / 1e9
-                    yield ClusterEvent(
-                        cluster_name=event.cluster_name,
-                        observation=observation(event),
-                        notice_deadline=deadline,
-                    )
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE):
-                # The events after our seq are gone, or the cloud restarted: start afresh;
-                # the caller wakes every watcher, so nothing missed goes unchecked.
-                self._after_seq = 0
-            raise backend_error(exc) from exc
-        finally:
-            call.cancel()
+        return self._events.stream()
 
     async def close(self) -> None:
         for task in list(self._teardowns):

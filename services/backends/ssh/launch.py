@@ -33,9 +33,9 @@ from pathlib import Path
 
 from services.backends.base import (
     BackendError,
+    LaunchPlan,
     ResourcesUnavailableError,
     StaleEpochError,
-    TaskRequest,
 )
 from services.backends.ranks import rank_env
 from services.backends.ssh.config import Host, NodePool
@@ -50,22 +50,22 @@ log = logging.getLogger(__name__)
 _START_WAIT = 10.0
 
 
-def refuse_stale(request: TaskRequest, seen: int, where: str) -> None:
+def refuse_stale(plan: LaunchPlan, seen: int, where: str) -> None:
     """Raises StaleEpochError when `seen`, an epoch launched for the job, is newer."""
-    if request.epoch < seen:
+    if plan.epoch < seen:
         raise StaleEpochError(
-            f"stale epoch {request.epoch} for job {request.job_id}: "
+            f"stale epoch {plan.epoch} for job {plan.job_id}: "
             f"epoch {seen} already launched (seen by {where})"
         )
 
 
 @dataclasses.dataclass
 class Launcher:
-    """One launch of one request (see the module docstring)."""
+    """One launch of one plan on the pools to try, in order (see the module docstring)."""
 
     fleet: Fleet
-    request: TaskRequest
-    plan: list[tuple[NodePool, list[Host]]]
+    plan: LaunchPlan
+    pools: list[tuple[NodePool, list[Host]]]
     need: Need
     workdir: Path | None
     launch_timeout: float
@@ -80,28 +80,28 @@ class Launcher:
             HostUnreachable: a host stopped answering while the ranks started.
             BackendError: a host refused the rank's files.
         """
-        name = self.request.cluster_name
-        scans = await self.fleet.scan_all(job=self.request.job_id, names=[name])
+        name = self.plan.cluster_name
+        scans = await self.fleet.scan_all(job=self.plan.job_id, names=[name])
         answered = {hid: s for hid, s in scans.items() if isinstance(s, HostScan)}
         newest = (0, 0)
         for hid, scan in answered.items():
             fence = scan.fences.get(name, (0, 0))
-            refuse_stale(self.request, max(scan.job_epoch, fence[0]), hid)
+            refuse_stale(self.plan, max(scan.job_epoch, fence[0]), hid)
             newest = max(newest, fence)
         freed = await self._release_older(answered)
         # After every launch of the name this epoch, even if our clock stepped back.
         started = time.time_ns()
-        if newest[0] == self.request.epoch:
+        if newest[0] == self.plan.epoch:
             started = max(started, newest[1] + 1)
-        launch = f"{self.request.epoch}-{started}-{uuid.uuid4().hex[:8]}"
-        for pool, fitting in self.plan:
+        launch = f"{self.plan.epoch}-{started}-{uuid.uuid4().hex[:8]}"
+        for pool, fitting in self.pools:
             free = [
                 host
                 for host in fitting
                 if host.id in freed
                 or (host.id in answered and answered[host.id].reservation is None)
             ]
-            if len(free) < self.request.num_nodes:
+            if len(free) < self.plan.num_nodes:
                 continue
             random.Random(launch).shuffle(free)
             hosts = await self._reserve(free, pool, launch, started)
@@ -111,8 +111,8 @@ class Launcher:
                 name,
                 pool.name,
                 launch,
-                self.request.epoch,
-                self.request.job_id,
+                self.plan.epoch,
+                self.plan.job_id,
                 tuple(h.id for h in hosts),
             )
             try:
@@ -122,22 +122,21 @@ class Launcher:
                 raise
             log.info("cluster launched", extra={"cluster": name, "hosts": list(made.hosts)})
             return made
-        could = {host.id for _, hosts in self.plan for host in hosts}
+        could = {host.id for _, hosts in self.pools for host in hosts}
         silent = Fleet.silent(scans, could)
         if len(silent) == len(could):
             # Every host that could take it is silent: that says nothing of capacity.
             raise self.fleet.unreachable(silent, f"no host that could take {name} answers")
-        tried = [pool.name for pool, _ in self.plan]
+        tried = [pool.name for pool, _ in self.pools]
         more = f" ({len(silent)} of them not answering)" if silent else ""
         raise ResourcesUnavailableError(
-            f"no {self.request.num_nodes} free host(s) with {self.need} in "
-            f"{', '.join(tried)}{more}",
+            f"no {self.plan.num_nodes} free host(s) with {self.need} in {', '.join(tried)}{more}",
             regions_tried=tried,
         )
 
     async def _release_older(self, answered: Mapping[str, HostScan]) -> set[str]:
         """Releases every launch of the name the hosts hold; the hosts freed."""
-        name, epoch = self.request.cluster_name, self.request.epoch
+        name, epoch = self.plan.cluster_name, self.plan.epoch
         old: dict[str, str] = {}
         for hid, scan in answered.items():
             held = scan.reservation
@@ -164,7 +163,7 @@ class Launcher:
         self, candidates: list[Host], pool: NodePool, launch: str, started: int
     ) -> list[Host] | None:
         """Takes `num_nodes` of the candidates (their order is the ranks'), or none."""
-        wanted = self.request.num_nodes
+        wanted = self.plan.num_nodes
         taken: list[Host] = []
         attempted: list[Host] = []
         queue = list(candidates)
@@ -193,15 +192,15 @@ class Launcher:
 
     async def _reserve_one(self, host: Host, pool: NodePool, launch: str, started: int) -> bool:
         """True: the host is ours now; False: another cluster holds it."""
-        request = self.request
+        plan = self.plan
         word, fields = first(
             await self.fleet.lines(
                 host,
                 "reserve",
-                request.cluster_name,
-                str(request.job_id),
-                str(request.task_id),
-                str(request.epoch),
+                plan.cluster_name,
+                str(plan.job_id),
+                str(plan.task_id),
+                str(plan.epoch),
                 launch,
                 str(started),
                 pool.name,
@@ -212,7 +211,7 @@ class Launcher:
         if word == "busy":
             return False
         if word == "stale":
-            refuse_stale(request, int(fields.get("epoch", request.epoch + 1)), host.id)
+            refuse_stale(plan, int(fields.get("epoch", plan.epoch + 1)), host.id)
         raise BackendError(f"reserving {host.id}: unexpected reply {word!r} {fields}")
 
     async def _start_ranks(self, made: Launch, hosts: Sequence[Host]) -> None:
@@ -225,12 +224,12 @@ class Launcher:
                 raise result
 
     async def _start_rank(self, made: Launch, rank: int, hosts: Sequence[Host]) -> None:
-        request, host = self.request, hosts[rank]
+        plan, host = self.plan, hosts[rank]
         env = rank_env(
-            job_id=request.job_id,
-            task_id=request.task_id,
+            job_id=plan.job_id,
+            task_id=plan.task_id,
             cluster_name=made.name,
-            envs=request.envs,
+            envs=plan.envs,
             rank=rank,
             num_nodes=len(hosts),
             node_ips=[h.ip for h in hosts],
@@ -242,7 +241,7 @@ class Launcher:
                 await self.fleet.conns.put_dir(host, self.workdir, remote, self.launch_timeout)
             except HostCommandError as exc:
                 raise BackendError(str(exc)) from None
-        files = (env_file, request.setup, request.run, RUNNER_SCRIPT)
+        files = (env_file, plan.setup, plan.run, RUNNER_SCRIPT)
         word, fields = first(
             await self.fleet.lines(
                 host,

@@ -2,10 +2,10 @@
 
 A task asks for `cpus`, `memory` (GB) and `accelerators` per node: "4" and "4+"
 both mean at least 4, since a cluster gets whole hosts; "A100:2" means a host
-with at least two A100s, "A100" one. The pools to try are the request's region
+with at least two A100s, "A100" one. The pools to try are the plan's region
 when it names one, else every pool in file order; a non-empty `candidate_regions`
 keeps only those, in that order; pools with fewer fitting hosts than `num_nodes`
-and blocked pools are then left out. A request that no pool could ever serve is
+and blocked pools are then left out. A plan that no pool could ever serve is
 a `PrecheckError`: an unknown cloud, region or candidate, a zone (pools have
 none), malformed resources, or more than any pool's hosts offer.
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
-from services.backends.base import PrecheckError, TaskRequest
+from services.backends.base import LaunchPlan, PrecheckError
 from services.backends.ssh.config import Accelerators, Host, NodePool, parse_accelerators
 
 CLOUD = "ssh"
@@ -51,21 +51,21 @@ def _at_least(text: str, field: str) -> float | None:
     return float(match.group(1))
 
 
-def parse_need(request: TaskRequest) -> Need:
-    """The per-node needs of a request.
+def parse_need(plan: LaunchPlan) -> Need:
+    """The per-node needs of a plan.
 
     Raises:
         PrecheckError: a malformed cpus, memory or accelerators value.
     """
     accelerators = None
-    if request.accelerators.strip():
+    if plan.accelerators.strip():
         try:
-            accelerators = parse_accelerators(request.accelerators, "resources.accelerators")
+            accelerators = parse_accelerators(plan.accelerators, "resources.accelerators")
         except ValueError as exc:
             raise PrecheckError(str(exc)) from None
     return Need(
-        cpus=_at_least(request.cpus, "cpus"),
-        memory=_at_least(request.memory, "memory"),
+        cpus=_at_least(plan.cpus, "cpus"),
+        memory=_at_least(plan.memory, "memory"),
         accelerators=accelerators,
     )
 
@@ -87,45 +87,43 @@ def fits(host: Host, need: Need) -> bool:
 
 def pools_to_try(
     pools: Mapping[str, NodePool],
-    request: TaskRequest,
+    plan: LaunchPlan,
     need: Need,
-    candidate_regions: Sequence[str] = (),
-    blocked_regions: Sequence[str] = (),
 ) -> list[tuple[NodePool, list[Host]]]:
     """The pools to try in order, each with its hosts that fit one node.
 
     Raises:
-        PrecheckError: the request can never launch (see the module docstring).
+        PrecheckError: the plan can never launch (see the module docstring).
     """
-    if request.cloud and request.cloud.lower() != CLOUD:
-        raise PrecheckError(f"unknown cloud {request.cloud[:200]!r}: the ssh backend is {CLOUD!r}")
-    if request.zone:
-        raise PrecheckError(f"node pools have no zones (zone {request.zone[:200]!r})")
-    if request.num_nodes < 1:
-        raise PrecheckError(f"num_nodes must be >= 1, not {request.num_nodes}")
-    if request.region and request.region not in pools:
+    if plan.cloud and plan.cloud.lower() != CLOUD:
+        raise PrecheckError(f"unknown cloud {plan.cloud[:200]!r}: the ssh backend is {CLOUD!r}")
+    if plan.zone:
+        raise PrecheckError(f"node pools have no zones (zone {plan.zone[:200]!r})")
+    if plan.num_nodes < 1:
+        raise PrecheckError(f"num_nodes must be >= 1, not {plan.num_nodes}")
+    if plan.region and plan.region not in pools:
         raise PrecheckError(
-            f"unknown region {request.region[:200]!r}; the node pools are {', '.join(pools)}"
+            f"unknown region {plan.region[:200]!r}; the node pools are {', '.join(pools)}"
         )
-    order = [pools[request.region]] if request.region else list(pools.values())
-    if candidate_regions:
-        unknown = [name for name in candidate_regions if name not in pools]
+    order = [pools[plan.region]] if plan.region else list(pools.values())
+    if plan.candidate_regions:
+        unknown = [name for name in plan.candidate_regions if name not in pools]
         if unknown:
             raise PrecheckError(f"unknown candidate regions {unknown[:10]}")
         allowed = {pool.name for pool in order}
-        order = [pools[name] for name in dict.fromkeys(candidate_regions) if name in allowed]
+        order = [pools[name] for name in dict.fromkeys(plan.candidate_regions) if name in allowed]
     fitting = {
         pool.name: [host for host in pool.hosts if fits(host, need)] for pool in pools.values()
     }
-    big_enough = [pool for pool in order if len(fitting[pool.name]) >= request.num_nodes]
-    if not any(len(hosts) >= request.num_nodes for hosts in fitting.values()) or (
-        request.region and not big_enough
+    big_enough = [pool for pool in order if len(fitting[pool.name]) >= plan.num_nodes]
+    if not any(len(hosts) >= plan.num_nodes for hosts in fitting.values()) or (
+        plan.region and not big_enough
     ):
-        where = f"pool {request.region}" if request.region else "any pool"
+        where = f"pool {plan.region}" if plan.region else "any pool"
         raise PrecheckError(
-            f"no {request.num_nodes} host(s) of {where} could ever fit {need} per node"
+            f"no {plan.num_nodes} host(s) of {where} could ever fit {need} per node"
         )
-    blocked = set(blocked_regions)
+    blocked = set(plan.blocked_regions)
     left = [pool for pool in big_enough if pool.name not in blocked]
     if not left:
         raise PrecheckError(

@@ -16,6 +16,10 @@ reserved cluster names (one more), and releases a reservation when
 Hosts that do not answer are left out; a release is always of one launch, and
 the host does it only if that launch still holds it, so reapers racing each
 other or a launch cannot release the wrong cluster.
+
+`Reaper` runs the passes in the background once the backend is first used, every
+`interval` seconds on average, jittered so that the replicas' reapers do not all
+ask at once.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import random
 from collections.abc import Iterable, Mapping
 
 from services.backends.base import BackendError
@@ -30,6 +35,7 @@ from services.backends.ssh.config import Host
 from services.backends.ssh.fleet import Fleet, first
 from services.backends.ssh.hosts import HostUnreachable
 from services.backends.ssh.state import HostScan, LaunchKey
+from services.common.background import Background
 
 log = logging.getLogger(__name__)
 
@@ -131,3 +137,36 @@ async def reap(fleet: Fleet, launch_timeout: float) -> list[Release]:
             )
             made.append(release)
     return made
+
+
+class Reaper:
+    """Reaper passes of one backend instance, in the background (none at interval 0)."""
+
+    def __init__(self, fleet: Fleet, interval: float, launch_timeout: float) -> None:
+        self._fleet = fleet
+        self._interval = interval
+        # A launch that is not ready after this long died half-way.
+        self._launch_timeout = launch_timeout
+        self._passes = Background("ssh-reaper", self._forever)
+
+    async def reap(self) -> list[Release]:
+        """One pass now; the reservations it released."""
+        return await reap(self._fleet, self._launch_timeout)
+
+    def start(self) -> None:
+        """Starts the passes, unless they run already (or the interval is 0)."""
+        if self._interval > 0:
+            self._passes.start()
+
+    async def _forever(self) -> None:
+        jitter = random.Random()
+        while True:
+            await asyncio.sleep(self._interval * (0.5 + jitter.random()))
+            try:
+                await self.reap()
+            except Exception:
+                log.exception("reaper pass failed")
+
+    async def close(self) -> None:
+        """Stops the passes."""
+        await self._passes.stop()

@@ -10,19 +10,27 @@ lookup (the store's tests check the plans).
 
     in_ids(JOBS.c.id, param=ids_param("ids"))                # a list bound later
     in_ids(TASKS.c.job_id, TASKS.c.task_id, values=[(1, 0)]) # values bound now
+
+A statement that names ids given now takes them in slices (`chunked`), so that each
+statement's list stays bounded whatever the number of jobs a cancel or a release
+names.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import BindParameter, Boolean, ColumnElement, TypeDecorator, Unicode, bindparam
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.compiler import SQLCompiler
 from sqlalchemy.sql.visitors import InternalTraversal
+
+T = TypeVar("T")
+# Ids per list given now (see `chunked`).
+IN_CHUNK = 1000
 
 
 class IdList(TypeDecorator[Sequence[Any]]):
@@ -99,3 +107,8 @@ def _postgresql(element: InIds, compiler: SQLCompiler, **kw: Any) -> str:
         )
     picks = ", ".join(f"CAST(value ->> {i} AS BIGINT)" for i in range(len(columns)))
     return f"({', '.join(columns)}) IN (SELECT {picks} FROM jsonb_array_elements({array}))"
+
+
+def chunked(items: Sequence[T], size: int = IN_CHUNK) -> list[Sequence[T]]:
+    """`items` in slices of at most `size`, for lists of ids given to a statement now."""
+    return [items[start : start + size] for start in range(0, len(items), size)]

@@ -1,7 +1,7 @@
 """Rows a transaction reads, changes in Python and writes back: plain values, not ORM objects.
 
 A batch of reports reads the jobs, tasks and attempts it touches up front, changes
-them report by report, and writes back what changed (`reports.py`). Through the ORM
+them report by report, and writes back what changed (`batch_rows.py`). Through the ORM
 that cost most of a batch's time: building an object per row, and the unit of work
 that finds each changed attribute and writes each row with a statement of its own.
 A `Tracked` row is its columns' values and the names of those that changed;
@@ -12,7 +12,7 @@ once for many rows.
 Nothing else sees a tracked row's changes until they are written back: whoever runs
 a statement that may read or move such a row in the same transaction writes back
 first (as the ORM flushed before every statement), and the store's transaction
-writes back before its events and its commit (`store.Txn.track`, `Txn.write_back`).
+writes back before its events and its commit (`txn.Txn.track`, `Txn.write_back`).
 """
 
 from __future__ import annotations
