@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
-from tenacity import AsyncRetrying, retry_if_exception, wait_exponential_jitter
+from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
 
 from managedjobs.v1 import scheduler_service_pb2 as pb
 from managedjobs.v1 import scheduler_service_pb2_grpc
@@ -48,21 +48,6 @@ class StreamBroken(Exception):
     """The stream ended; reconnect."""
 
 
-# What a stream attempt may end with that another attempt may cure.
-_RECONNECT = (StreamBroken, grpc.aio.AioRpcError, OSError)
-
-
-def _asked_to_stop() -> bool:
-    """Whether the running task has a cancel pending.
-
-    gRPC may end a call whose task is being cancelled with the call's own error (the
-    scheduler went away at that moment: UNAVAILABLE), so the cancel never surfaces as
-    CancelledError; reconnecting then would keep the link up for good.
-    """
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
 class Link:
     """The stream to the scheduler at `address`, with this replica's lease and outbox."""
 
@@ -77,7 +62,6 @@ class Link:
         reconnect_max_wait: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        reconnect_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.address = address
         self._hello = hello
@@ -86,8 +70,6 @@ class Link:
         self._metadata = metadata
         self._reconnect_max_wait = reconnect_max_wait
         self._sleep = sleep
-        # Between attempts to reach the scheduler (tests make it short).
-        self._reconnect_sleep = reconnect_sleep
         # Set while a welcomed stream is up.
         self.connected = asyncio.Event()
         self.lease = Lease(self.connected, self._lease_lost, clock, sleep)
@@ -118,30 +100,20 @@ class Link:
         rather than after the waits of every earlier outage.
         """
         while True:
-            try:
-                async for attempt in AsyncRetrying(
-                    sleep=self._reconnect_sleep,
-                    wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
-                    retry=retry_if_exception(
-                        lambda error: isinstance(error, _RECONNECT) and not _asked_to_stop()
-                    ),
-                    before_sleep=lambda state: log.warning(
-                        "scheduler stream down; reconnecting",
-                        extra={
-                            "address": self.address,
-                            "attempt": state.attempt_number,
-                            "error": _why(state.outcome.exception() if state.outcome else None),
-                        },
-                    ),
-                ):
-                    with attempt:
-                        await self._session()
-            except _RECONNECT:
-                if _asked_to_stop():
-                    raise asyncio.CancelledError() from None
-                raise
-            if _asked_to_stop():
-                raise asyncio.CancelledError()
+            async for attempt in AsyncRetrying(
+                wait=wait_exponential_jitter(multiplier=0.1, max=self._reconnect_max_wait),
+                retry=retry_if_exception_type((StreamBroken, grpc.aio.AioRpcError, OSError)),
+                before_sleep=lambda state: log.warning(
+                    "scheduler stream down; reconnecting",
+                    extra={
+                        "address": self.address,
+                        "attempt": state.attempt_number,
+                        "error": _why(state.outcome.exception() if state.outcome else None),
+                    },
+                ),
+            ):
+                with attempt:
+                    await self._session()
 
     async def _session(self) -> None:
         async with open_channel(self.address, self._security) as channel:

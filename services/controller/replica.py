@@ -19,7 +19,6 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -59,10 +58,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
         config: LifecycleConfig,
         scheduler_address: str,
         security: ClientSecurity | None = None,
-        reconnect_sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        """`reconnect_sleep` sleeps between attempts to reach the scheduler (tests make it
-        short)."""
         self.controller_id = controller_id
         self.address = address
         self.capacity = capacity
@@ -76,14 +72,7 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             cancel=self._cancel,
             revoke=self._revoke,
         )
-        self.link = Link(
-            scheduler_address,
-            self.hello,
-            instructions,
-            self.on_lease_lost,
-            security,
-            reconnect_sleep=reconnect_sleep,
-        )
+        self.link = Link(scheduler_address, self.hello, instructions, self.on_lease_lost, security)
         self.metered = MeteredBackend(backend)
         self.backend: Backend = LeaseGuard(
             self.metered, self.link.lease.wait, lambda: self.draining
@@ -172,34 +161,9 @@ class Replica(controller_service_pb2_grpc.ControllerServiceServicer):
             del self.runners[runner.job_id]
 
     async def on_lease_lost(self) -> None:
-        runners = list(self.runners.values())
-        for runner in runners:
+        for runner in list(self.runners.values()):
             runner.note("lease lost: stopping")
             runner.stop()
-        # Handed back once they have unwound: a launch a runner gave up is rolled back
-        # (terminated, with the runner's epoch) first, so that nothing it does lands after
-        # the scheduler took the job back.
-        await asyncio.gather(
-            *(r.task for r in runners if r.task is not None), return_exceptions=True
-        )
-        self.hand_back(runners)
-
-    def hand_back(self, runners: Sequence[JobRunner]) -> None:
-        """Gives the jobs of stopped runners back to the scheduler: on this stream, or on
-        the next one if it is down.
-
-        The next stream's hello may already be on its way, announcing these jobs (the
-        lease can run out while it is), and the scheduler would keep them assigned to
-        this replica, run by no one. The handback goes after that hello and frees them
-        either way; a job the scheduler no longer assigns here at that epoch is left
-        alone.
-        """
-        if not runners:
-            return
-        jobs = [pb.HeldJob(job_id=r.job_id, epoch=r.epoch) for r in runners]
-        answer = self.link.outbox.post(pb.JobHandback(jobs=jobs))
-        # Nothing waits for it: a refusal has nothing left to undo.
-        answer.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     @property
     def _handed_back_line(self) -> str:

@@ -119,8 +119,9 @@ class JobRunner:
         except LeaseLost as error:
             self.note(f"stopped: this replica's lease ran out ({error}); handing the job back")
             # The scheduler may still count the lease (it renews on receipt, this replica
-            # from the send): tell it, or the job would stay assigned to no one running it.
-            self.replica.hand_back([self])
+            # from the send): tell it, or the job would stay assigned to no one running
+            # it. At a stale epoch the handback is refused, harmlessly.
+            outbox.notify(handback(self.job_id, self.epoch))
         except MovedAway as error:
             self.note(f"stopped: the scheduler no longer assigns this job here ({error})")
         except Rejected as error:

@@ -325,14 +325,8 @@ async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(
     """The stream is up but no heartbeat was answered in time (a loaded scheduler): the
     launch is not made, and the job goes back to the scheduler, which may still count
     this replica's lease: it must not stay assigned to a replica that dropped it."""
-    posted: list[Report] = []
-
-    def post(report: Report) -> asyncio.Future[pb.ReportAck]:
-        posted.append(report)
-        return asyncio.get_running_loop().create_future()
-
-    # Posted, not notified: a handback is sent again on the next stream if this one is down.
-    monkeypatch.setattr(replica.link.outbox, "post", post)
+    notified: list[Report] = []
+    monkeypatch.setattr(replica.link.outbox, "notify", notified.append)
     replica.link.lease.ttl = 0.2  # how long a launch waits for a fresh answer
     replica.link.connected.set()
     message = assignment(11, 2)
@@ -341,5 +335,5 @@ async def test_a_job_dropped_for_a_lapsed_lease_is_handed_back(
     runner = replica.runners[11]
     assert runner.task is not None
     await asyncio.wait_for(runner.task, 5)
-    handbacks = [m for m in posted if isinstance(m, pb.JobHandback)]
+    handbacks = [m for m in notified if isinstance(m, pb.JobHandback)]
     assert [[(j.job_id, j.epoch) for j in h.jobs] for h in handbacks] == [[(11, 2)]]
